@@ -1,0 +1,53 @@
+# sparsecast — the two quick-start commands are `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+# CPU wheel of torch; on a GPU box install the CUDA build of the same version first.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-fast lint demo bench bench-patch bench-registry bench-queue bench-engine clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev,demo,vllm]" "$(TORCH_SPEC)"
+	# PyPI's torchvision/torchaudio are CUDA builds that break transformers imports beside the
+	# CPU torch; triton is unused on CPU (../shared/REFERENCE.md §7).
+	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m ruff check shared services tests bench
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -q -x -m "not slow and not chaos and not vllm" $(PYTEST_ARGS)
+
+lint: setup
+	$(PY) -m ruff check shared services tests bench
+
+demo: setup
+	$(PY) -m services.cli demo $(DEMO_ARGS)
+
+bench: bench-patch bench-registry bench-queue bench-engine
+
+bench-patch: setup
+	$(PY) -m bench.patch $(BENCH_ARGS)
+
+bench-registry: setup
+	$(PY) -m bench.registry $(BENCH_ARGS)
+
+bench-queue: setup
+	$(PY) -m bench.queue $(BENCH_ARGS)
+
+bench-engine: setup
+	$(PY) -m bench.engine $(BENCH_ARGS)
+
+clean:
+	rm -rf data scratch .pytest_cache .ruff_cache .hypothesis
