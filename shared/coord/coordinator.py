@@ -1,0 +1,334 @@
+"""Coordinator: the one object trainer and rollout workers use to talk through Redis.
+
+Prompt groups live in a stream read by a consumer group; a lease is a pending entry, a heartbeat
+resets its idle time, and an entry idle for a lease TTL is reclaimed by the next claim. Every
+state change runs as one Lua script (scripts.py). Formulas and guarantees: docs/coordination.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+from redis.exceptions import ResponseError
+
+from shared.coord import scripts
+from shared.coord.errors import QueueFull
+from shared.coord.keys import Keys
+from shared.coord.leases import Lease
+from shared.coord.scheduling import claim_size as scheduled_claim_size
+from shared.coord.settings import CoordSettings
+from shared.coord.stats import counters_from_hash, decode
+from shared.schemas import PromptGroup, Trajectory, WorkerInfo
+
+TRAINER_GROUP = "trainer"
+# Dead-letter entries keep at most this much of a malformed payload, so one bad producer cannot
+# bloat the dead-letter stream.
+MAX_DEAD_PAYLOAD = 64 * 1024
+
+
+class Coordinator:
+    def __init__(self, redis: aioredis.Redis, prefix: str, settings: CoordSettings | None = None) -> None:
+        self.redis = redis
+        self.keys = Keys(prefix)
+        self.settings = settings or CoordSettings()
+        self._scripts = {
+            name: redis.register_script(getattr(scripts, name))
+            for name in ("ENQUEUE", "CLAIM", "HEARTBEAT", "RELEASE", "COMPLETE", "DEAD_LETTER")
+        }
+        self._ready = False
+
+    async def setup(self) -> None:
+        """Create the streams and consumer groups (idempotent; every method calls it once)."""
+        if self._ready:
+            return
+        for stream, group in (
+            (self.keys.prompts, self.settings.consumer_group),
+            (self.keys.trajectories, TRAINER_GROUP),
+        ):
+            try:
+                await self.redis.xgroup_create(stream, group, id="0", mkstream=True)
+            except ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+        self._ready = True
+
+    # ---- prompts and leases -------------------------------------------------------------------
+
+    async def enqueue(self, groups: Sequence[PromptGroup]) -> list[str]:
+        """Queue prompt groups, all or none; returns their stream entry ids. Raises QueueFull."""
+        if not groups:
+            return []
+        await self.setup()
+        payloads = [g.model_dump_json() for g in groups]
+        ok, result = await self._scripts["ENQUEUE"](
+            keys=[self.keys.prompts, self.keys.stats], args=[self.settings.max_queue, *payloads]
+        )
+        if not ok:
+            raise QueueFull(int(result), len(groups), self.settings.max_queue)
+        return [decode(i) for i in result]
+
+    async def claim(self, worker_id: str, max_groups: int, block_ms: int = 0) -> list[Lease]:
+        """Lease up to max_groups groups: expired leases first, then new groups.
+
+        Returns [] when the worker's registered weights lag the trainer by more than
+        staleness_bound (after waiting block_ms, so a polling loop does not spin). With
+        block_ms > 0 and nothing available, waits up to block_ms for new groups.
+        """
+        if max_groups <= 0:
+            return []
+        await self.setup()
+        s = self.settings
+        reply = await self._scripts["CLAIM"](
+            keys=[
+                self.keys.prompts,
+                self.keys.dead,
+                self.keys.stats,
+                self.keys.worker(worker_id),
+                self.keys.trainer_version,
+                self.keys.reclaim_cursor,
+            ],
+            args=[s.consumer_group, worker_id, max_groups, s.lease_ttl_ms, s.max_attempts, s.staleness_bound],
+        )
+        if not reply[0]:
+            if block_ms > 0:
+                await asyncio.sleep(block_ms / 1000)
+            return []
+        entries = [(decode(e[0]), int(e[1]), e[2]) for e in reply[1]]
+        if not entries and block_ms > 0:
+            fresh = await self.redis.xreadgroup(
+                s.consumer_group, worker_id, {self.keys.prompts: ">"}, count=max_groups, block=block_ms
+            )
+            if fresh:
+                entries = [(decode(i), 1, fields) for i, fields in fresh[0][1]]
+                await self.redis.hincrby(self.keys.stats, "claimed", len(entries))
+        return [lease for e in entries if (lease := await self._to_lease(worker_id, *e)) is not None]
+
+    async def _to_lease(self, worker_id: str, entry_id: str, attempt: int, fields: Any) -> Lease | None:
+        """Parse a delivered entry; a malformed one is dead-lettered with the reason, not raised."""
+        if isinstance(fields, dict):
+            pairs = {decode(k): decode(v) for k, v in fields.items()}
+        else:  # Lua replies are flat [field, value, ...] arrays
+            pairs = {decode(fields[i]): decode(fields[i + 1]) for i in range(0, len(fields) - 1, 2)}
+        payload = pairs.get("group")
+        try:
+            if payload is None:
+                raise ValueError(f"entry has no 'group' field (fields: {sorted(pairs)[:10]})")
+            group = PromptGroup.model_validate_json(payload)
+        except (ValidationError, ValueError) as e:
+            reason = f"malformed: {_one_line(e)}"
+            raw = payload if payload is not None else repr(pairs)
+            await self._dead_letter(worker_id, entry_id, attempt, reason, raw[:MAX_DEAD_PAYLOAD], "malformed")
+            return None
+        return Lease(entry_id, worker_id, attempt, group, time.time())
+
+    async def heartbeat_leases(self, leases: Sequence[Lease]) -> list[Lease]:
+        """Extend leases (call every settings.heartbeat_interval_s). Returns those still held;
+        a lease missing from the result was reclaimed or finished elsewhere: stop working on it."""
+        if not leases:
+            return []
+        await self.setup()
+        by_worker: dict[str, list[Lease]] = {}
+        for lease in leases:
+            by_worker.setdefault(lease.worker_id, []).append(lease)
+        held: list[Lease] = []
+        for worker_id, own in by_worker.items():
+            args: list[Any] = [self.settings.consumer_group, worker_id]
+            for lease in own:
+                args += [lease.entry_id, lease.attempt]
+            ids = {decode(i) for i in await self._scripts["HEARTBEAT"](keys=[self.keys.prompts], args=args)}
+            held += [lease for lease in own if lease.entry_id in ids]
+        return held
+
+    async def release(self, lease: Lease) -> bool:
+        """Give a lease back for another worker to claim at once; does not use up an attempt.
+        For groups this worker cannot process, use reject() so they do not circulate forever."""
+        await self.setup()
+        s = self.settings
+        done = await self._scripts["RELEASE"](
+            keys=[self.keys.prompts, self.keys.stats],
+            args=[s.consumer_group, lease.worker_id, lease.entry_id, lease.attempt, s.lease_ttl_ms],
+        )
+        return bool(done)
+
+    async def reject(self, lease: Lease, reason: str) -> bool:
+        """Dead-letter a leased group with a reason (e.g. a prompt longer than the context)."""
+        await self.setup()
+        payload = lease.group.model_dump_json()
+        return await self._dead_letter(
+            lease.worker_id, lease.entry_id, lease.attempt, reason, payload, "worker_rejected"
+        )
+
+    async def _dead_letter(
+        self, worker_id: str, entry_id: str, attempt: int, reason: str, payload: str, counter: str
+    ) -> bool:
+        done = await self._scripts["DEAD_LETTER"](
+            keys=[self.keys.prompts, self.keys.dead, self.keys.stats],
+            args=[self.settings.consumer_group, worker_id, entry_id, attempt, reason, payload, counter],
+        )
+        return bool(done)
+
+    async def complete(self, lease: Lease, trajectory: Trajectory) -> bool:
+        """Publish the trajectory and finish the lease atomically. True when this result is the
+        one counted for the group; False when the group was already completed (or dead-lettered).
+        """
+        if trajectory.group_id != lease.group_id:
+            raise ValueError(f"trajectory is for group {trajectory.group_id!r}, lease for {lease.group_id!r}")
+        await self.setup()
+        result = await self._scripts["COMPLETE"](
+            keys=[self.keys.prompts, self.keys.completed, self.keys.trajectories, self.keys.stats],
+            args=[
+                self.settings.consumer_group,
+                lease.worker_id,
+                lease.entry_id,
+                lease.attempt,
+                lease.group_id,
+                trajectory.model_dump_json(),
+            ],
+        )
+        return int(result) == 1
+
+    async def dead_letters(self, count: int = 100) -> list[dict[str, str]]:
+        """The oldest dead-letter entries, each with entry_id, group (raw payload), reason, ..."""
+        rows = await self.redis.xrange(self.keys.dead, count=count)
+        return [{decode(k): decode(v) for k, v in fields.items()} | {"id": decode(i)} for i, fields in rows]
+
+    # ---- trajectories -------------------------------------------------------------------------
+
+    async def next_trajectories(
+        self, max_count: int = 64, min_version: int | None = None, block_ms: int = 0
+    ) -> list[Trajectory]:
+        """Take up to max_count trajectories for the trainer. Those with policy_version below
+        min_version (default: trainer version − max_lag) are dropped and counted, never returned."""
+        await self.setup()
+        if min_version is None:
+            min_version = await self.trainer_version() - self.settings.max_lag
+        reply = await self.redis.xreadgroup(
+            TRAINER_GROUP,
+            TRAINER_GROUP,
+            {self.keys.trajectories: ">"},
+            count=max_count,
+            block=block_ms if block_ms > 0 else None,
+        )
+        if not reply:
+            return []
+        rows = reply[0][1]
+        ids = [decode(i) for i, _ in rows]
+        # Taken means consumed: ack and delete so the stream holds only unread results.
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xack(self.keys.trajectories, TRAINER_GROUP, *ids)
+            pipe.xdel(self.keys.trajectories, *ids)
+            await pipe.execute()
+        kept: list[Trajectory] = []
+        stale = malformed = 0
+        for _, fields in rows:
+            raw = fields.get(b"trajectory", fields.get("trajectory"))
+            try:
+                trajectory = Trajectory.model_validate_json(raw)
+            except (ValidationError, ValueError, TypeError):
+                malformed += 1
+                continue
+            if trajectory.policy_version < min_version:
+                stale += 1
+            else:
+                kept.append(trajectory)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hincrby(self.keys.stats, "trajectories_read", len(kept))
+            pipe.hincrby(self.keys.stats, "dropped_stale", stale)
+            pipe.hincrby(self.keys.stats, "malformed_trajectories", malformed)
+            await pipe.execute()
+        return kept
+
+    # ---- workers, versions, scheduling --------------------------------------------------------
+
+    async def register_worker(self, info: WorkerInfo) -> None:
+        """Create or refresh a worker's entry; it expires after settings.worker_ttl_s."""
+        key = self.keys.worker(info.worker_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(
+                key,
+                mapping={
+                    "info": info.model_dump_json(),
+                    # Read by the claim script to refuse workers with stale weights.
+                    "weight_version": info.weight_version,
+                },
+            )
+            pipe.pexpire(key, int(self.settings.worker_ttl_s * 1000))
+            pipe.sadd(self.keys.workers, info.worker_id)
+            await pipe.execute()
+
+    async def deregister_worker(self, worker_id: str) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self.keys.worker(worker_id))
+            pipe.srem(self.keys.workers, worker_id)
+            await pipe.execute()
+
+    async def workers(self) -> list[WorkerInfo]:
+        """Live workers (entries refreshed within worker_ttl_s), sorted by id."""
+        ids = sorted(decode(i) for i in await self.redis.smembers(self.keys.workers))
+        if not ids:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for worker_id in ids:
+                pipe.hget(self.keys.worker(worker_id), "info")
+            raws = await pipe.execute()
+        live: list[WorkerInfo] = []
+        expired: list[str] = []
+        for worker_id, raw in zip(ids, raws, strict=True):
+            if raw is None:
+                expired.append(worker_id)
+            else:
+                live.append(WorkerInfo.model_validate_json(raw))
+        if expired:
+            await self.redis.srem(self.keys.workers, *expired)
+        return live
+
+    async def claim_size(self, worker_id: str) -> int:
+        """Groups this worker should claim next (scheduling.py); 0 while its weights lag."""
+        fleet = await self.workers()
+        me = next((w for w in fleet if w.worker_id == worker_id), None)
+        return scheduled_claim_size(me, fleet, await self.trainer_version(), self.settings)
+
+    async def set_trainer_version(self, version: int) -> None:
+        await self.redis.set(self.keys.trainer_version, int(version))
+
+    async def trainer_version(self) -> int:
+        raw = await self.redis.get(self.keys.trainer_version)
+        return int(raw) if raw is not None else 0
+
+    # ---- observability ------------------------------------------------------------------------
+
+    async def stats(self) -> dict[str, int]:
+        """Flat numbers for /metrics: depths and leases now, plus the shared counters."""
+        await self.setup()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xlen(self.keys.prompts)
+            pipe.xpending(self.keys.prompts, self.settings.consumer_group)
+            pipe.xlen(self.keys.trajectories)
+            pipe.xlen(self.keys.dead)
+            pipe.hlen(self.keys.completed)
+            pipe.scard(self.keys.workers)
+            pipe.get(self.keys.trainer_version)
+            pipe.hgetall(self.keys.stats)
+            in_stream, pending, trajectories, dead, completed, workers, version, counters = await pipe.execute()
+        leased = int(pending["pending"])
+        return {
+            "prompts_queued": in_stream - leased,
+            "leases_pending": leased,
+            "trajectories_queued": trajectories,
+            "dead_letter_depth": dead,
+            "groups_completed": completed,
+            "workers_registered": workers,
+            "trainer_version": int(version) if version is not None else 0,
+            **counters_from_hash(counters),
+        }
+
+
+def _one_line(error: Exception) -> str:
+    if isinstance(error, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'entry'}: {e['msg']}" for e in error.errors())
+    return str(error).replace("\n", " ")

@@ -1,0 +1,83 @@
+"""Pydantic models shared by the trainer, the rollout workers and the coordination layer.
+
+These travel as JSON through Redis and HTTP, so field names are part of the contract
+(docs/internals.md). Fields may be added; existing ones are not renamed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class PromptGroup(BaseModel):
+    """One prompt to be sampled `samples` times (a GRPO group)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1, max_length=256)
+    task: str = Field(min_length=1)
+    prompt: str
+    answer: str | None = None
+    samples: int = Field(default=8, ge=1, le=1024)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class KVStats(BaseModel):
+    """KV-cache footprint of one generated sequence (sparse policies evict tokens)."""
+
+    peak_tokens: int = Field(default=0, ge=0)
+    peak_bytes: int = Field(default=0, ge=0)
+    evicted: int = Field(default=0, ge=0)
+
+
+class Sample(BaseModel):
+    """One completion of a prompt, with what the trainer needs for the Sparse-RL correction."""
+
+    completion: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    # Sampler log-probs, one per completion token (see docs/internals.md for the exact definition).
+    logprobs: list[float]
+    reward: float
+    correct: bool
+    finish_reason: str
+    kv: KVStats = Field(default_factory=KVStats)
+
+    @model_validator(mode="after")
+    def _logprobs_match_tokens(self) -> Sample:
+        if len(self.logprobs) != len(self.completion_ids):
+            raise ValueError(
+                f"logprobs has {len(self.logprobs)} entries for {len(self.completion_ids)} completion tokens"
+            )
+        return self
+
+
+class Trajectory(BaseModel):
+    """All samples of one prompt group, produced under one lease attempt."""
+
+    group_id: str = Field(min_length=1)
+    attempt: int = Field(ge=1)
+    policy_version: int = Field(ge=0)
+    worker_id: str = Field(min_length=1)
+    task: str
+    prompt: str
+    samples: list[Sample]
+    created_at: float = Field(default_factory=time.time)
+
+
+class WorkerInfo(BaseModel):
+    """What a rollout worker reports about itself on every heartbeat."""
+
+    worker_id: str = Field(min_length=1, max_length=200)
+    engine: str = "native"
+    kv_policy: str = "dense"
+    kv_budget: int | None = None
+    weight_version: int = Field(default=0, ge=0)
+    tokens_per_s: float = Field(default=0.0, ge=0.0)  # measured generation throughput; 0 = unknown
+    download_mbps: float = Field(default=0.0, ge=0.0)  # measured patch download bandwidth
+    leases: int = Field(default=0, ge=0)
+    url: str | None = None
+    updated_at: float = Field(default_factory=time.time)
