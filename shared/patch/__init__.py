@@ -1,0 +1,58 @@
+"""Lossless sparse weight patches: extract, encode, apply, merge, fingerprint, snapshot.
+
+Public API (contract: docs/internals.md; byte format: docs/patch-format.md).
+"""
+
+from .apply import apply_patch
+from .codec import extract_patch
+from .errors import (
+    CorruptPatchError,
+    FormatError,
+    PatchError,
+    TargetMismatchError,
+    TensorMismatchError,
+    TruncatedPatchError,
+    UnknownTensorError,
+    WrongBaseError,
+)
+from .fingerprint import chunk_checksum, fingerprint
+from .format import (
+    Chunk,
+    PatchHeader,
+    Stream,
+    TensorEntry,
+    header_size,
+    read_header,
+    verify_chunk,
+    verify_chunks,
+)
+from .merge import merge_patches
+from .snapshot import SnapshotInfo, load_snapshot, save_snapshot, snapshot_info
+
+__all__ = [
+    "Chunk",
+    "CorruptPatchError",
+    "FormatError",
+    "PatchError",
+    "PatchHeader",
+    "SnapshotInfo",
+    "Stream",
+    "TargetMismatchError",
+    "TensorEntry",
+    "TensorMismatchError",
+    "TruncatedPatchError",
+    "UnknownTensorError",
+    "WrongBaseError",
+    "apply_patch",
+    "chunk_checksum",
+    "extract_patch",
+    "fingerprint",
+    "header_size",
+    "load_snapshot",
+    "merge_patches",
+    "read_header",
+    "save_snapshot",
+    "snapshot_info",
+    "verify_chunk",
+    "verify_chunks",
+]
