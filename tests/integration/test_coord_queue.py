@@ -1,0 +1,188 @@
+"""Prompt queue, leases and exactly-once completion against a real Redis (env REDIS_URL)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import redis.asyncio as aioredis
+
+from shared.coord import Coordinator, CoordSettings, Lease, QueueFull
+from shared.schemas import KVStats, PromptGroup, Sample, Trajectory
+
+CoordFactory = Callable[..., Coordinator]
+
+
+@pytest.fixture
+async def make_coord(redis_url: str, redis_prefix: str) -> AsyncIterator[CoordFactory]:
+    """Coordinators over one client and this test's own key prefix (cleaned up by conftest)."""
+    client = aioredis.from_url(redis_url)
+    yield lambda **settings: Coordinator(client, redis_prefix, CoordSettings(**settings))
+    await client.aclose()
+
+
+def groups(n: int, start: int = 0) -> list[PromptGroup]:
+    return [PromptGroup(id=f"g{i}", task="addition", prompt=f"{i}+1=", answer=str(i + 1), samples=2)
+            for i in range(start, start + n)]
+
+
+def trajectory(lease: Lease, version: int = 0) -> Trajectory:
+    sample = Sample(completion="1", prompt_ids=[1, 2], completion_ids=[3], logprobs=[-0.5], reward=1.0,
+                    correct=True, finish_reason="stop", kv=KVStats(peak_tokens=3, peak_bytes=96, evicted=0))
+    return Trajectory(group_id=lease.group_id, attempt=lease.attempt, policy_version=version,
+                      worker_id=lease.worker_id, task=lease.group.task, prompt=lease.group.prompt,
+                      samples=[sample, sample])
+
+
+async def test_claim_complete_publishes_trajectory(make_coord: CoordFactory) -> None:
+    coord = make_coord()
+    ids = await coord.enqueue(groups(3))
+    assert len(ids) == 3
+    leases = await coord.claim("w1", 2)
+    assert [(lease.group_id, lease.attempt) for lease in leases] == [("g0", 1), ("g1", 1)]
+    assert (await coord.stats())["leases_pending"] == 2
+    for lease in leases:
+        assert await coord.complete(lease, trajectory(lease))
+    got = await coord.next_trajectories(10)
+    assert [t.group_id for t in got] == ["g0", "g1"]
+    assert got[0].samples[0].kv.peak_bytes == 96
+    assert await coord.next_trajectories(10) == []  # consumed once
+    stats = await coord.stats()
+    assert (stats["prompts_queued"], stats["leases_pending"], stats["completions"]) == (1, 0, 2)
+    assert stats["trajectories_read"] == 2 and stats["trajectories_queued"] == 0
+
+
+async def test_complete_checks_group_matches_lease(make_coord: CoordFactory) -> None:
+    coord = make_coord()
+    await coord.enqueue(groups(2))
+    first, second = await coord.claim("w1", 2)
+    with pytest.raises(ValueError, match="g1"):
+        await coord.complete(first, trajectory(second))
+
+
+@pytest.mark.parametrize("first_to_finish", ["stalled", "reclaimer"])
+async def test_stalled_worker_finishing_after_reclaim_counted_once(
+    make_coord: CoordFactory, first_to_finish: str
+) -> None:
+    coord = make_coord(lease_ttl_s=0.1)
+    await coord.enqueue(groups(1))
+    [stalled] = await coord.claim("slow", 1)
+    await asyncio.sleep(0.15)  # no heartbeat: the lease expires
+    [reclaimed] = await coord.claim("fast", 1)
+    assert (reclaimed.group_id, reclaimed.attempt) == ("g0", 2)
+    assert await coord.heartbeat_leases([stalled]) == []  # the stalled worker learns it lost the lease
+    order = [stalled, reclaimed] if first_to_finish == "stalled" else [reclaimed, stalled]
+    results = [await coord.complete(lease, trajectory(lease)) for lease in order]
+    assert results == [True, False]
+    got = await coord.next_trajectories(10)
+    assert [(t.group_id, t.worker_id) for t in got] == [("g0", order[0].worker_id)]
+    stats = await coord.stats()
+    assert (stats["completions"], stats["duplicates"], stats["reclaims"]) == (1, 1, 1)
+    assert stats["late_completions"] == (1 if first_to_finish == "stalled" else 0)
+    assert stats["leases_pending"] == 0 and stats["prompts_queued"] == 0
+    assert await coord.claim("fast", 5) == []  # nothing left to reclaim
+
+
+async def test_heartbeat_keeps_lease_from_reclaim(make_coord: CoordFactory) -> None:
+    coord = make_coord(lease_ttl_s=0.2)
+    await coord.enqueue(groups(1))
+    leases = await coord.claim("w1", 1)
+    for _ in range(6):  # 0.36 s in all, well past one TTL
+        await asyncio.sleep(0.06)
+        assert await coord.heartbeat_leases(leases) == leases
+    assert await coord.claim("w2", 1) == []
+    assert await coord.complete(leases[0], trajectory(leases[0]))
+
+
+async def test_dead_letter_after_max_attempts(make_coord: CoordFactory) -> None:
+    coord = make_coord(lease_ttl_s=0.05, max_attempts=2)
+    await coord.enqueue(groups(1))
+    [first] = await coord.claim("w1", 1)
+    await asyncio.sleep(0.08)
+    [second] = await coord.claim("w2", 1)
+    assert second.attempt == 2
+    await asyncio.sleep(0.08)
+    assert await coord.claim("w3", 1) == []  # third delivery would exceed max_attempts
+    [dead] = await coord.dead_letters()
+    assert dead["reason"].startswith("max_attempts") and dead["attempts"] == "2"
+    assert PromptGroup.model_validate_json(dead["group"]).id == "g0"
+    assert not await coord.complete(second, trajectory(second))  # dead-lettered: too late
+    stats = await coord.stats()
+    assert (stats["dead_letters"], stats["max_attempts_exceeded"], stats["rejected"]) == (1, 1, 1)
+    assert (stats["completions"], stats["leases_pending"], stats["prompts_queued"]) == (0, 0, 0)
+
+
+async def test_malformed_entries_dead_lettered_and_consumer_continues(make_coord: CoordFactory) -> None:
+    coord = make_coord()
+    await coord.enqueue(groups(1))
+    await coord.setup()
+    await coord.redis.xadd(coord.keys.prompts, {"junk": "1"})
+    await coord.redis.xadd(coord.keys.prompts, {"group": "{not json"})
+    await coord.redis.xadd(coord.keys.prompts, {"group": '{"id": "bad", "task": "t", "prompt": "p", "samples": 0}'})
+    await coord.enqueue(groups(1, start=1))
+    leases = await coord.claim("w1", 10)
+    assert [lease.group_id for lease in leases] == ["g0", "g1"]
+    reasons = [d["reason"] for d in await coord.dead_letters()]
+    assert len(reasons) == 3 and all(r.startswith("malformed: ") for r in reasons)
+    assert "no 'group' field" in reasons[0]
+    assert "samples" in reasons[2]
+    stats = await coord.stats()
+    assert (stats["malformed"], stats["dead_letters"], stats["leases_pending"]) == (3, 3, 2)
+
+
+async def test_release_returns_group_without_using_an_attempt(make_coord: CoordFactory) -> None:
+    coord = make_coord(lease_ttl_s=30)
+    await coord.enqueue(groups(1))
+    [lease] = await coord.claim("w1", 1)
+    assert await coord.release(lease)
+    assert not await coord.release(lease)  # no longer held by w1
+    [again] = await coord.claim("w2", 1)  # at once, not after the 30 s TTL
+    assert (again.group_id, again.attempt) == ("g0", 1)
+    assert (await coord.stats())["released"] == 1
+
+
+async def test_reject_dead_letters_with_reason(make_coord: CoordFactory) -> None:
+    coord = make_coord()
+    await coord.enqueue(groups(1))
+    [lease] = await coord.claim("w1", 1)
+    assert await coord.reject(lease, "prompt longer than context")
+    [dead] = await coord.dead_letters()
+    assert (dead["reason"], dead["worker_id"]) == ("prompt longer than context", "w1")
+    assert (await coord.stats())["worker_rejected"] == 1
+
+
+async def test_backpressure_refuses_past_bound_all_or_none(make_coord: CoordFactory) -> None:
+    coord = make_coord(max_queue=5)
+    await coord.enqueue(groups(4))
+    with pytest.raises(QueueFull, match="max_queue 5") as refused:
+        await coord.enqueue(groups(2, start=4))
+    assert (refused.value.depth, refused.value.requested) == (4, 2)
+    stats = await coord.stats()
+    assert (stats["prompts_queued"], stats["refused"]) == (4, 2)
+    [lease] = await coord.claim("w1", 1)  # leased groups still count against the bound
+    with pytest.raises(QueueFull):
+        await coord.enqueue(groups(2, start=4))
+    await coord.complete(lease, trajectory(lease))
+    assert len(await coord.enqueue(groups(2, start=4))) == 2
+
+
+async def test_same_group_enqueued_twice_counted_once(make_coord: CoordFactory) -> None:
+    coord = make_coord()
+    await coord.enqueue(groups(1))
+    await coord.enqueue(groups(1))  # a producer retrying after a timeout
+    a, b = await coord.claim("w1", 2)
+    assert [await coord.complete(a, trajectory(a)), await coord.complete(b, trajectory(b))] == [True, False]
+    stats = await coord.stats()
+    assert (stats["completions"], stats["duplicates"], stats["leases_pending"]) == (1, 1, 0)
+
+
+async def test_blocking_claim_wakes_on_enqueue(make_coord: CoordFactory) -> None:
+    coord = make_coord()
+    await coord.setup()
+    waiter = asyncio.create_task(coord.claim("w1", 4, block_ms=3000))
+    await asyncio.sleep(0.1)
+    await coord.enqueue(groups(2))
+    leases = await asyncio.wait_for(waiter, 5)
+    assert [lease.group_id for lease in leases] == ["g0", "g1"]
+    assert (await coord.stats())["claimed"] == 2
