@@ -1,0 +1,48 @@
+"""Registry configuration: environment variables prefixed SPARSECAST_ (e.g. SPARSECAST_PORT)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.storage import S3Options
+
+
+class RegistrySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPARSECAST_", extra="ignore")
+
+    host: str = "0.0.0.0"
+    port: int = 8100
+    # file://<dir> (default), s3://<bucket>[/<prefix>] for S3/MinIO; memory:// only for tests.
+    store_url: str = "file://./data/registry"
+    s3_endpoint: str | None = None
+    s3_region: str | None = None
+    s3_access_key_id: str | None = None
+    s3_secret_access_key: str | None = None
+    s3_allow_http: bool = False
+    # Bearer token for writes. Unset: writes are open (a warning is logged at startup).
+    api_token: str | None = None
+    redis_url: str | None = None
+    redis_prefix: str = "sparsecast"
+    # Run served by default (e.g. the CLI's); the HTTP API serves any run named in the path.
+    run: str = "default"
+    # The registry materializes a full snapshot every N versions (grail/PULSE keep a full
+    # checkpoint every 10 versions, REFERENCE §2); 0 turns that off (trainer uploads only).
+    snapshot_every: int = Field(default=10, ge=0)
+    keep_snapshots: int = Field(default=2, ge=1)
+    max_upload_bytes: int = Field(default=16 << 30, gt=0)
+    # Download verification unit: each piece of each stored object has its sha256 in the manifest.
+    piece_bytes: int = Field(default=4 << 20, gt=0)
+    # Objects named by a plan are kept at least this long after the plan was handed out.
+    plan_lease_s: float = Field(default=300.0, ge=0)
+    # Merged a→b patches are only computed for lags up to this (beyond it snapshots win anyway).
+    max_merge_lag: int = Field(default=32, ge=0)
+
+    def s3_options(self) -> S3Options:
+        return S3Options(
+            endpoint=self.s3_endpoint,
+            region=self.s3_region,
+            access_key_id=self.s3_access_key_id,
+            secret_access_key=self.s3_secret_access_key,
+            allow_http=self.s3_allow_http,
+        )

@@ -1,0 +1,568 @@
+"""Async client of the weight-patch registry (services/registry), and the registry's wire types.
+
+A rollout worker needs only the registry URL:
+
+    async with RegistryClient("http://registry:8100", "run1", streams=4) as client:
+        await client.fetch_model_files("model/")          # config + tokenizer
+        state: dict[str, Tensor] = {}
+        result = await client.sync_to(state, None)        # snapshot + chain → latest
+        ...
+        v = await client.wait_for_version(result.version, timeout=60)
+        result = await client.sync_to(engine.state_dict(), result.version)   # in place
+
+Downloads are split into the pieces listed in the plan (each with its sha256), fetched by
+`streams` parallel ranged requests; a dropped connection resumes at the byte it stopped, with
+exponential backoff, so a registry restart mid-download costs only the retry wait. With
+`cache_dir`, verified pieces also survive a client restart. Weights change only after every byte
+is verified; any verification failure falls back to the snapshot path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import random
+import time
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import torch
+from pydantic import BaseModel
+
+from shared.patch import PatchError, apply_patch, load_snapshot
+
+log = logging.getLogger(__name__)
+
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
+METRICS_HEADER = "X-Sparsecast-Metrics"
+
+
+# --- wire types (the registry's JSON) --------------------------------------------------------
+
+
+class ObjectRef(BaseModel):
+    """A stored object of a run, with the sha256 of each `piece_bytes` piece for verification."""
+
+    key: str  # relative to the run: "patches/3-4.patch", "snapshots/0.safetensors", "merged/2-6.patch"
+    size: int
+    piece_bytes: int
+    pieces: list[str]
+
+
+class Manifest(BaseModel):
+    run: str
+    version: int
+    fingerprint: str  # of the weights at this version
+    base_version: int | None = None  # None for a first snapshot
+    base_fingerprint: str | None = None
+    patch: ObjectRef | None = None  # base_version → version
+    snapshot: ObjectRef | None = None
+    dense_bytes: int  # bytes of the full weights
+    changed: int | None = None  # elements the patch changes
+    created_at: float
+    metrics: dict[str, Any] = {}
+
+    @property
+    def payload_ratio(self) -> float | None:
+        """Dense bytes per patch byte (how much smaller than a full sync)."""
+        return self.dense_bytes / self.patch.size if self.patch else None
+
+
+class PlanStep(BaseModel):
+    kind: Literal["snapshot", "patch"]
+    object: ObjectRef
+    base_version: int | None  # None for a snapshot
+    target_version: int
+    fingerprint: str  # weights after this step
+
+
+class Plan(BaseModel):
+    run: str
+    from_version: int | None
+    to_version: int
+    kind: Literal["none", "merged", "chain", "snapshot"]
+    fingerprint: str
+    total_bytes: int
+    steps: list[PlanStep]
+    lease_s: float  # the registry keeps the plan's objects at least this long
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+class RegistryHTTPError(Exception):
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(f"registry answered {status}: {detail}")
+        self.status = status
+        self.detail = detail
+
+
+class CorruptObjectError(Exception):
+    """A downloaded piece does not match its sha256, even after a refetch."""
+
+
+class SyncError(Exception):
+    """sync_to could not reach the target; `version` is the version the weights hold (intact)."""
+
+    def __init__(self, message: str, version: int | None) -> None:
+        super().__init__(message)
+        self.version = version
+
+
+@dataclass
+class SyncResult:
+    version: int
+    fingerprint: str
+    bytes: int  # bytes received over the network (retried and resumed bytes included)
+    seconds: float
+    path: Literal["none", "merged", "chain", "snapshot"]
+    fell_back: bool = False  # the first path failed verification; the snapshot path was used
+
+
+# --- transport pieces ------------------------------------------------------------------------
+
+
+class TokenBucket:
+    """Caps the aggregate rate of all streams (emulates one slow link for benchmarks).
+
+    Debt-based: a taker subtracts its bytes and sleeps off any deficit while holding the lock, so
+    streams queue fairly and the long-run rate is exact; the burst is small (about 10 ms of
+    traffic) so a capped run is not flattered by a large initial allowance.
+    """
+
+    def __init__(self, bits_per_s: float, burst_bytes: int | None = None) -> None:
+        if bits_per_s <= 0:
+            raise ValueError("bandwidth must be positive")
+        self.rate = bits_per_s / 8  # bytes per second
+        self.capacity = burst_bytes if burst_bytes is not None else max(16 << 10, int(self.rate / 100))
+        self._tokens = float(self.capacity)
+        self._last = time.monotonic()
+        self._lock = asyncio.Lock()
+
+    async def take(self, n: int) -> None:
+        async with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.capacity, self._tokens + (now - self._last) * self.rate)
+            self._last = now
+            self._tokens -= n
+            if self._tokens < 0:
+                await asyncio.sleep(-self._tokens / self.rate)
+
+
+@dataclass
+class _Download:
+    """One object being fetched: its buffer, which pieces are verified, and an optional part file."""
+
+    ref: ObjectRef
+    buffer: bytearray
+    done: list[bool]
+    part: Path | None = None
+
+    def piece_range(self, i: int) -> tuple[int, int]:
+        start = i * self.ref.piece_bytes
+        return start, min(start + self.ref.piece_bytes, self.ref.size)
+
+
+@dataclass
+class _Counters:
+    bytes: int = 0
+    retries: int = 0
+    resumed_pieces: int = 0
+    pieces: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def _sha256(data: bytes | memoryview | bytearray) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# --- client ----------------------------------------------------------------------------------
+
+
+class RegistryClient:
+    """Client of one run. `bandwidth_bps` is in bits per second (None: uncapped)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        run: str,
+        *,
+        token: str | None = None,
+        streams: int = 4,
+        bandwidth_bps: float | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        redis_url: str | None = None,
+        redis_prefix: str = "sparsecast",
+        retries: int = 8,
+        backoff_s: float = 0.2,
+        max_backoff_s: float = 4.0,
+        timeout_s: float = 120.0,
+    ) -> None:
+        if streams < 1:
+            raise ValueError("streams must be >= 1")
+        self.base_url = base_url.rstrip("/")
+        self.run = run
+        self.token = token
+        self.streams = streams
+        self.bucket = TokenBucket(bandwidth_bps) if bandwidth_bps else None
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.redis_url = redis_url
+        self.redis_prefix = redis_prefix
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.counters = _Counters()
+        # Plans may merge patches on demand: reads get a long timeout, connects fail fast (retried).
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=streams + 2, max_keepalive_connections=streams + 2),
+        )
+
+    async def __aenter__(self) -> RegistryClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    # -- plumbing --
+
+    def _path(self, suffix: str) -> str:
+        return f"/v1/runs/{self.run}/{suffix}"
+
+    def _auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    async def _backoff(self, attempt: int) -> None:
+        self.counters.retries += 1
+        delay = min(self.max_backoff_s, self.backoff_s * 2**attempt)
+        await asyncio.sleep(delay * (0.5 + random.random() / 2))
+
+    async def _retrying(self, action: Callable[[], Awaitable[Any]], what: str) -> Any:
+        """Run action, retrying transport errors and 5xx answers with exponential backoff."""
+        for attempt in range(self.retries + 1):
+            try:
+                return await action()
+            except httpx.TransportError as exc:
+                error: Exception = exc
+            except RegistryHTTPError as exc:
+                if exc.status < 500:
+                    raise
+                error = exc
+            if attempt == self.retries:
+                raise error
+            log.info("%s failed (%s), retrying", what, error)
+            await self._backoff(attempt)
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _raise_for(response: httpx.Response) -> None:
+        if response.status_code >= 400:
+            try:
+                detail = response.json().get("detail", response.text)
+            except ValueError:
+                detail = response.text
+            raise RegistryHTTPError(response.status_code, str(detail))
+
+    async def _get_json(self, suffix: str, params: dict[str, Any] | None = None) -> Any:
+        async def action() -> Any:
+            response = await self._http.get(self._path(suffix), params=params)
+            self._raise_for(response)
+            return response.json()
+
+        return await self._retrying(action, f"GET {suffix}")
+
+    async def _put(self, suffix: str, data: bytes, headers: dict[str, str] | None = None) -> Any:
+        # Only a refused connection is retried: the request never reached the registry, so a
+        # retry cannot publish twice (a lost answer to a sent upload is reported, not retried).
+        async def action() -> Any:
+            try:
+                response = await self._http.put(
+                    self._path(suffix),
+                    content=data,
+                    headers={"Content-Type": "application/octet-stream", **self._auth(), **(headers or {})},
+                )
+            except httpx.ConnectError:
+                raise
+            except httpx.TransportError as exc:
+                raise RegistryHTTPError(0, f"upload interrupted: {exc}") from exc
+            self._raise_for(response)
+            return response.json()
+
+        return await self._retrying(action, f"PUT {suffix}")
+
+    # -- reads --
+
+    async def latest(self) -> Manifest | None:
+        """The head manifest, or None while the run has no version."""
+        try:
+            return Manifest.model_validate(await self._get_json("latest"))
+        except RegistryHTTPError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def versions(self) -> list[Manifest]:
+        return [Manifest.model_validate(m) for m in await self._get_json("versions")]
+
+    async def manifest(self, version: int) -> Manifest:
+        return Manifest.model_validate(await self._get_json(f"manifests/{version}"))
+
+    async def plan(self, from_version: int | None, to_version: int | None = None) -> Plan:
+        """Cheapest way from from_version (None: no weights) to to_version (None: latest)."""
+        params: dict[str, int] = {"from": -1 if from_version is None else from_version}
+        if to_version is not None:
+            params["to"] = to_version
+        return Plan.model_validate(await self._get_json("plan", params))
+
+    # -- downloads --
+
+    def _open_download(self, ref: ObjectRef) -> _Download:
+        n = len(ref.pieces)
+        download = _Download(ref, bytearray(ref.size), [False] * n)
+        if self.cache_dir is None:
+            return download
+        # Named by content (the piece hashes): a stale part of another object can never match.
+        ident = hashlib.sha256("".join(ref.pieces).encode()).hexdigest()[:24]
+        folder = self.cache_dir / self.run
+        folder.mkdir(parents=True, exist_ok=True)
+        download.part = folder / f"{ref.key.replace('/', '_')}.{ident}.part"
+        if download.part.exists():
+            existing = download.part.read_bytes()[: ref.size]
+            download.buffer[: len(existing)] = existing
+            for i in range(n):
+                start, end = download.piece_range(i)
+                if end <= len(existing) and _sha256(memoryview(download.buffer)[start:end]) == ref.pieces[i]:
+                    download.done[i] = True
+                    self.counters.resumed_pieces += 1
+        else:
+            with open(download.part, "wb") as f:
+                f.truncate(ref.size)
+        return download
+
+    async def _fetch_piece(self, download: _Download, i: int) -> None:
+        """Fetch piece i; a dropped stream resumes at the byte it stopped; a bad hash refetches once."""
+        start, end = download.piece_range(i)
+        url = self._path(f"objects/{download.ref.key}")
+        for verification in range(2):
+            offset, attempt = start, 0
+            while offset < end:
+                try:
+                    headers = {"Range": f"bytes={offset}-{end - 1}"}
+                    async with self._http.stream("GET", url, headers=headers) as response:
+                        if response.status_code != 206:
+                            await response.aread()
+                            self._raise_for(response)
+                            raise RegistryHTTPError(response.status_code, "expected a 206 range answer")
+                        async for chunk in response.aiter_raw(64 << 10):
+                            if self.bucket:
+                                await self.bucket.take(len(chunk))
+                            take = min(len(chunk), end - offset)
+                            download.buffer[offset : offset + take] = chunk[:take]
+                            offset += take
+                            self.counters.bytes += len(chunk)
+                    if offset < end:
+                        raise httpx.RemoteProtocolError("range answer ended early")
+                except (httpx.TransportError, RegistryHTTPError) as exc:
+                    if isinstance(exc, RegistryHTTPError) and exc.status < 500:
+                        raise
+                    if attempt >= self.retries:
+                        raise
+                    log.info("piece %d of %s interrupted at %d (%s); resuming", i, download.ref.key, offset, exc)
+                    await self._backoff(attempt)
+                    attempt += 1
+            piece = memoryview(download.buffer)[start:end]
+            if _sha256(piece) == download.ref.pieces[i]:
+                if download.part is not None:
+                    fd = os.open(download.part, os.O_WRONLY)
+                    try:
+                        os.pwrite(fd, piece, start)
+                    finally:
+                        os.close(fd)
+                download.done[i] = True
+                self.counters.pieces += 1
+                return
+            log.warning("piece %d of %s failed its sha256 (try %d)", i, download.ref.key, verification + 1)
+        raise CorruptObjectError(f"{download.ref.key}: piece {i} (bytes {start}-{end}) fails its sha256")
+
+    async def download(self, refs: Sequence[ObjectRef]) -> list[bytes]:
+        """Fetch objects with `streams` parallel ranged requests; every piece verified."""
+        downloads = [self._open_download(ref) for ref in refs]
+        queue: asyncio.Queue[tuple[_Download, int]] = asyncio.Queue()
+        for download in downloads:
+            for i, done in enumerate(download.done):
+                if not done:
+                    queue.put_nowait((download, i))
+
+        async def worker() -> None:
+            while True:
+                try:
+                    download, i = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                await self._fetch_piece(download, i)
+
+        async with asyncio.TaskGroup() as group:
+            for _ in range(min(self.streams, max(1, queue.qsize()))):
+                group.create_task(worker())
+        for download in downloads:
+            if download.part is not None:
+                download.part.unlink(missing_ok=True)
+        return [bytes(d.buffer) for d in downloads]
+
+    # -- sync --
+
+    async def sync_to(
+        self,
+        state: MutableMapping[str, torch.Tensor],
+        current_version: int | None,
+        target: int | None = None,
+    ) -> SyncResult:
+        """Bring `state` from current_version (None: no weights) to target (None: latest), in place.
+
+        Patches are applied in place (all-or-nothing each, target fingerprint verified). If any
+        verification fails, the snapshot path is taken instead; its tensors are verified before a
+        single weight is overwritten. An empty `state` is filled from the snapshot. On failure a
+        SyncError says which version the (intact) weights hold.
+        """
+        t0 = time.perf_counter()
+        bytes0 = self.counters.bytes
+        plan = await self.plan(current_version, target)
+        version = current_version
+        fell_back = False
+        if plan.kind in ("merged", "chain"):
+            try:
+                blobs = await self.download([step.object for step in plan.steps])
+                for blob in blobs:
+                    header = await asyncio.to_thread(apply_patch, state, blob, verify=True)
+                    version = header.target_version
+            except (CorruptObjectError, PatchError) as exc:
+                log.warning("patch path %s→%s failed (%s); falling back to a snapshot", current_version, plan.to_version, exc)
+                fell_back = True
+                plan = await self.plan(None, plan.to_version)
+        if plan.kind == "snapshot":
+            try:
+                await self._sync_snapshot(state, plan)
+            except (CorruptObjectError, PatchError, ValueError, RegistryHTTPError, httpx.TransportError) as exc:
+                raise SyncError(f"snapshot path to {plan.to_version} failed: {exc}", version) from exc
+            version = plan.to_version
+        elif plan.kind == "none":
+            version = plan.to_version
+        return SyncResult(
+            version=version if version is not None else plan.to_version,
+            fingerprint=plan.fingerprint,
+            bytes=self.counters.bytes - bytes0,
+            seconds=time.perf_counter() - t0,
+            path=plan.kind,
+            fell_back=fell_back,
+        )
+
+    async def _sync_snapshot(self, state: MutableMapping[str, torch.Tensor], plan: Plan) -> None:
+        blobs = await self.download([step.object for step in plan.steps])
+
+        def build() -> dict[str, torch.Tensor]:
+            tensors, info = load_snapshot(blobs[0])  # checks the tensors against its fingerprint
+            if info.fingerprint != plan.steps[0].fingerprint:
+                raise CorruptObjectError(f"snapshot {plan.steps[0].object.key} is not version {info.version}")
+            for blob in blobs[1:]:
+                apply_patch(tensors, blob, verify=True)
+            return tensors
+
+        tensors = await asyncio.to_thread(build)
+        if not state:
+            state.update(tensors)
+            return
+        if set(state) != set(tensors):
+            missing, extra = sorted(set(tensors) - set(state)), sorted(set(state) - set(tensors))
+            raise ValueError(f"snapshot tensors differ from the weights (missing {missing[:3]}, extra {extra[:3]})")
+        for name, tensor in tensors.items():
+            if state[name].shape != tensor.shape or state[name].dtype != tensor.dtype:
+                raise ValueError(f"{name}: snapshot has {tensor.dtype}{list(tensor.shape)}, weights differ")
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                state[name].copy_(tensor)
+
+    async def wait_for_version(self, after: int, timeout: float, poll_s: float = 1.0) -> int | None:
+        """The first version > after, or None at timeout. Woken by the registry's Redis
+        announcement when redis_url is set; polls /latest otherwise (and as a safety net)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        pubsub = None
+        redis_client = None
+        if self.redis_url:
+            import redis.asyncio as aioredis
+
+            try:
+                redis_client = aioredis.Redis.from_url(self.redis_url)
+                pubsub = redis_client.pubsub()
+                await pubsub.subscribe(f"{self.redis_prefix}:versions")
+                poll_s = max(poll_s, 5.0)  # announcements wake us; polling is only the safety net
+            except Exception as exc:  # noqa: BLE001 - any Redis trouble means: poll instead
+                log.warning("version announcements unavailable (%s); polling", exc)
+                pubsub = None
+        try:
+            while True:
+                latest = await self.latest()
+                if latest is not None and latest.version > after:
+                    return latest.version
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return None
+                wait = min(poll_s, remaining)
+                if pubsub is None:
+                    await asyncio.sleep(wait)
+                    continue
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
+                if message is not None:
+                    event = json.loads(message["data"])
+                    if event.get("run") == self.run and event.get("version", -1) > after:
+                        return int(event["version"])
+        finally:
+            if pubsub is not None:
+                await pubsub.aclose()
+            if redis_client is not None:
+                await redis_client.aclose()
+
+    # -- writes (the trainer's side) --
+
+    async def publish_patch(self, version: int, data: bytes, metrics: dict[str, Any] | None = None) -> Manifest:
+        headers = {METRICS_HEADER: json.dumps(metrics)} if metrics else {}
+        return Manifest.model_validate(await self._put(f"patches/{version}", data, headers))
+
+    async def publish_snapshot(self, version: int, data: bytes) -> Manifest:
+        return Manifest.model_validate(await self._put(f"snapshots/{version}", data))
+
+    async def put_model_file(self, name: str, data: bytes) -> None:
+        await self._put(f"model/{name}", data)
+
+    async def fetch_model_files(self, dest: str | os.PathLike[str]) -> list[Path]:
+        """Download the run's config and tokenizer files into dest; returns the written paths."""
+        dest = Path(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        written = []
+        for name in await self._get_json("model"):
+
+            async def action(name: str = name) -> bytes:
+                response = await self._http.get(self._path(f"model/{name}"))
+                self._raise_for(response)
+                return response.content
+
+            path = dest / name
+            path.write_bytes(await self._retrying(action, f"GET model/{name}"))
+            written.append(path)
+        return written
