@@ -1,0 +1,270 @@
+"""HTTP API of a rollout worker: sparse-KV generation, an OpenAI completions subset, weights.
+
+Thin layer over RolloutCore; the lease-driven worker loop and the weight sync run as background
+tasks when Redis and the registry are configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import redis.asyncio as aioredis
+from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from pydantic import ValidationError
+
+from services.rollout.api import (
+    Completion,
+    CompletionRequest,
+    GenerateRequest,
+    GenerateResponse,
+    WeightsInfo,
+)
+from services.rollout.core import RolloutCore
+from services.rollout.engine.config import SamplingParams
+from services.rollout.settings import RolloutSettings
+from services.rollout.sync import WeightSync, bootstrap_model, match_registry_version
+from services.rollout.worker import RolloutWorker
+from shared.coord import Coordinator
+from shared.registry_client import RegistryClient
+
+log = logging.getLogger(__name__)
+
+
+async def build_core(settings: RolloutSettings, client: RegistryClient | None) -> RolloutCore:
+    """Load the model named in settings, or (no model given) bootstrap it from the registry."""
+    if settings.model:
+        core = await asyncio.to_thread(RolloutCore.from_model_dir, settings, Path(settings.model))
+        if client is not None:
+            known = await match_registry_version(client, core.weights.fingerprint)
+            if known is not None:
+                core.weights.version = known
+            else:  # local weights are not a published version: take the registry's snapshot path
+                core.weights.version = -1
+        return core
+    if client is None:
+        raise RuntimeError("set SPARSECAST_MODEL (a HF model directory) or SPARSECAST_REGISTRY_URL")
+    model_dir = Path(settings.data_dir) / f"model-{settings.run}-{uuid.uuid4().hex[:8]}"
+    version = await bootstrap_model(client, model_dir)
+    return await asyncio.to_thread(RolloutCore.from_model_dir, settings, model_dir, version)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("rollout_requests_total", "Generation requests", ["endpoint"], registry=self.registry)
+        self.tokens = Counter("rollout_generated_tokens_total", "Tokens generated", registry=self.registry)
+        self.version = Gauge("rollout_weight_version", "Weight version served", registry=self.registry)
+        self.tokens_per_s = Gauge("rollout_tokens_per_second", "Mean generation throughput", registry=self.registry)
+        self.kv_peak = Gauge("rollout_kv_peak_bytes", "Peak KV bytes of the last batch", registry=self.registry)
+        self.leases = Gauge("rollout_leases_held", "Prompt-group leases held", registry=self.registry)
+        self.completed = Gauge("rollout_groups_completed", "Groups completed and counted", registry=self.registry)
+        self.syncs = Gauge("rollout_weight_syncs", "Weight syncs done", registry=self.registry)
+        self.sync_fallbacks = Gauge("rollout_weight_sync_fallbacks", "Syncs that fell back to a snapshot",
+                                    registry=self.registry)
+
+
+def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None = None) -> FastAPI:
+    settings = settings or RolloutSettings()
+    metrics = Metrics()
+    state: dict = {"core": core, "sync": None, "worker": None}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        stop = asyncio.Event()
+        tasks: list[asyncio.Task] = []
+        client = None
+        redis = None
+        if settings.registry_url:
+            bps = settings.sync_bandwidth_mbps * 1e6 if settings.sync_bandwidth_mbps else None
+            client = RegistryClient(settings.registry_url, settings.run, streams=settings.sync_streams,
+                                    bandwidth_bps=bps, redis_url=settings.redis_url or None,
+                                    redis_prefix=settings.redis_prefix)
+        if state["core"] is None:
+            state["core"] = await build_core(settings, client)
+        if client is not None:
+            state["sync"] = WeightSync(state["core"], client, poll_s=settings.sync_poll_s)
+            if state["core"].weights.version < 0:
+                await state["sync"].sync_to(None)
+            tasks.append(asyncio.create_task(state["sync"].run(stop)))
+        if settings.redis_url:
+            redis = aioredis.Redis.from_url(settings.redis_url)
+            coord = Coordinator(redis, settings.redis_prefix, settings.coord)
+            state["worker"] = RolloutWorker(state["core"], coord, settings, state["sync"])
+            tasks.append(asyncio.create_task(state["worker"].run(stop)))
+        try:
+            yield
+        finally:
+            stop.set()  # the worker finishes its batch or releases its leases
+            for task in tasks:
+                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
+                    await asyncio.wait_for(task, timeout=30)
+            if client is not None:
+                await client.aclose()
+            if redis is not None:
+                await redis.aclose()
+
+    app = FastAPI(title="sparsecast rollout", version="0.1.0", lifespan=lifespan,
+                  description="Sparse-KV generation, an OpenAI completions subset, live weight sync.")
+    bearer = HTTPBearer(auto_error=False)
+
+    def get_core() -> RolloutCore:
+        if state["core"] is None:
+            raise HTTPException(503, "model not loaded yet")
+        return state["core"]
+
+    def authorize(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        if settings.api_token and (creds is None or not secrets.compare_digest(creds.credentials, settings.api_token)):
+            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+    def check_budget(core: RolloutCore, sequences: int, max_tokens: int) -> None:
+        if sequences > settings.max_batch:
+            raise HTTPException(413, f"request asks for {sequences} sequences (prompts × n); the limit is {settings.max_batch}")
+        if max_tokens > settings.max_new_tokens_limit:
+            raise HTTPException(400, f"max_tokens={max_tokens} is over this server's limit of {settings.max_new_tokens_limit}")
+
+    @app.post("/v1/generate", response_model=GenerateResponse, dependencies=[Depends(authorize)])
+    async def generate(req: GenerateRequest, core: RolloutCore = Depends(get_core)) -> GenerateResponse:
+        prompts = req.prompt_ids if req.prompt_ids is not None else [core.encode(t) for t in req.prompts or []]
+        check_budget(core, len(prompts) * req.n, req.max_tokens)
+        if core.engine.name == "vllm" and (req.kv_policy or "dense") != "dense":
+            raise HTTPException(400, f"kv_policy {req.kv_policy!r} needs the native engine; this worker runs vllm (dense)")
+        try:
+            core.check_lengths(prompts, req.max_tokens)
+            kv = core.kv_config(req.kv_policy, req.kv_budget, **req.kv)
+            params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                    max_new_tokens=req.max_tokens, seed=req.seed,
+                                    stop_token_ids=tuple(req.stop_token_ids) if req.stop_token_ids is not None
+                                    else core.default_stop_ids())
+        except (ValueError, TypeError, ValidationError) as exc:
+            raise HTTPException(422, _message(exc)) from exc
+        expanded = [ids for ids in prompts for _ in range(req.n)]
+        batch = await core.generate(expanded, params, kv)
+        metrics.requests.labels("generate").inc()
+        _observe(metrics, core, batch)
+        return GenerateResponse(
+            weight_version=batch.version, fingerprint=batch.fingerprint, engine=core.engine.name,
+            kv_policy=kv.policy, kv_budget=None if kv.policy == "dense" else kv.budget, seconds=batch.seconds,
+            tokens_per_s=batch.generated_tokens / batch.seconds if batch.seconds else 0.0,
+            completions=[
+                Completion(prompt_index=i // req.n, text=core.decode(o.token_ids), token_ids=o.token_ids,
+                           logprobs=o.logprobs, finish_reason=o.finish_reason, kv=o.kv)
+                for i, o in enumerate(batch.outputs)
+            ],
+        )
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(req: CompletionRequest, core: RolloutCore = Depends(get_core)) -> dict:
+        raw = req.prompt_list()
+        prompts = [core.encode(p) if isinstance(p, str) else list(p) for p in raw]
+        check_budget(core, len(prompts) * req.n, req.max_tokens)
+        try:
+            core.check_lengths(prompts, req.max_tokens)
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from exc
+        params = SamplingParams(temperature=req.temperature, top_p=req.top_p, max_new_tokens=req.max_tokens,
+                                seed=req.seed, stop_token_ids=core.default_stop_ids())
+        batch = await core.generate([ids for ids in prompts for _ in range(req.n)], params, core.kv_config())
+        metrics.requests.labels("completions").inc()
+        _observe(metrics, core, batch)
+        choices = []
+        for i, out in enumerate(batch.outputs):
+            ids, logprobs, finish = _cut_at_stop(core, out.token_ids, out.logprobs, out.finish_reason, req.stops())
+            choice = {"index": i, "text": core.decode(ids), "finish_reason": finish, "logprobs": None}
+            if req.logprobs is not None:
+                tokens = [core.tokenizer.decode([t]) for t in ids]
+                offsets, pos = [], 0
+                for tok in tokens:
+                    offsets.append(pos)
+                    pos += len(tok)
+                choice["logprobs"] = {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None,
+                                      "text_offset": offsets}
+            choices.append(choice)
+        completion_tokens = sum(len(o.token_ids) for o in batch.outputs)
+        prompt_tokens = sum(len(p) for p in prompts) * req.n
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": req.model or settings.served_model_name, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens},
+            "system_fingerprint": batch.fingerprint,
+        }
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": settings.served_model_name, "object": "model", "owned_by": "sparsecast"}]}
+
+    @app.get("/v1/weights", response_model=WeightsInfo)
+    async def weights(core: RolloutCore = Depends(get_core)) -> WeightsInfo:
+        w = core.weights
+        return WeightsInfo(version=w.version, fingerprint=w.fingerprint, sync_state=w.sync_state,
+                           last_error=w.last_error, last_sync=w.last_sync, engine=core.engine.name,
+                           registry_url=settings.registry_url or None)
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"ok": True}
+
+    @app.get("/readyz")
+    async def readyz(response: Response) -> dict:
+        core = state["core"]
+        ready = core is not None and core.weights.version >= 0
+        if not ready:
+            response.status_code = 503
+        return {"ready": ready, "version": core.weights.version if core else None}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        core, worker, sync = state["core"], state["worker"], state["sync"]
+        if core is not None:
+            metrics.version.set(core.weights.version)
+            metrics.tokens_per_s.set(core.tokens_per_s)
+        if worker is not None:
+            metrics.leases.set(len(worker.held))
+            metrics.completed.set(worker.completed)
+        if sync is not None:
+            metrics.syncs.set(sync.syncs)
+            metrics.sync_fallbacks.set(sync.fallbacks)
+        return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
+
+    @app.exception_handler(ValueError)
+    async def value_error(_: Request, exc: ValueError) -> Response:
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse({"detail": _message(exc)}, status_code=422)
+
+    app.state.rollout = state
+    return app
+
+
+def _observe(metrics: Metrics, core: RolloutCore, batch) -> None:
+    metrics.tokens.inc(batch.generated_tokens)
+    if batch.outputs:
+        metrics.kv_peak.set(max(o.kv.peak_bytes for o in batch.outputs))
+
+
+def _cut_at_stop(core: RolloutCore, ids: list[int], logprobs: list[float], finish: str,
+                 stops: list[str]) -> tuple[list[int], list[float], str]:
+    """Truncate a completion before the first stop string (OpenAI semantics: stop text excluded)."""
+    if not stops:
+        return ids, logprobs, finish
+    text = ""
+    for n, token in enumerate(ids):
+        text += core.tokenizer.decode([token])
+        if any(s in text for s in stops):
+            return ids[:n], logprobs[:n], "stop"
+    return ids, logprobs, finish
+
+
+def _message(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors())
+    return str(exc)

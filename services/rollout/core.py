@@ -1,0 +1,143 @@
+"""The rollout core: one engine, its tokenizer and the version of the weights it holds.
+
+No HTTP here. Every use of the engine — a generation batch or a weight update — holds
+`engine_lock`, so weights change only at batch boundaries and no sequence mixes two versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+
+from services.rollout.engine.config import GenerationOutput, KVConfig, SamplingParams
+from services.rollout.settings import RolloutSettings
+from shared.patch import fingerprint
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class Engine(Protocol):
+    name: str
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, kv: KVConfig
+    ) -> list[GenerationOutput]: ...
+
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def weights_updated(self, names: set[str]) -> None: ...
+
+
+def load_engine(settings: RolloutSettings, model_dir: Path) -> Engine:
+    dtype = DTYPES[settings.dtype]
+    if settings.engine == "vllm":
+        from services.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine.from_pretrained(model_dir, device=settings.resolved_device(), dtype=dtype)
+    from services.rollout.engine import LLMEngine
+
+    return LLMEngine.from_pretrained(model_dir, device=settings.resolved_device(), dtype=dtype)
+
+
+@dataclass
+class Batch:
+    """One engine call: the version of the weights that produced every output in it."""
+
+    version: int
+    fingerprint: str
+    outputs: list[GenerationOutput]
+    seconds: float
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)
+
+
+@dataclass
+class WeightState:
+    version: int = 0
+    fingerprint: str = ""
+    sync_state: str = "idle"  # idle | downloading | applying | failed
+    last_error: str | None = None
+    last_sync: dict[str, Any] = field(default_factory=dict)
+
+
+class RolloutCore:
+    def __init__(self, settings: RolloutSettings, engine: Engine, tokenizer: PreTrainedTokenizerBase,
+                 model_dir: Path, version: int = 0) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_dir = model_dir
+        self.config = AutoConfig.from_pretrained(model_dir)
+        self.max_positions = int(getattr(self.config, "max_position_embeddings", 1 << 30))
+        self.engine_lock = asyncio.Lock()
+        self.weights = WeightState(version=version, fingerprint=fingerprint(engine.state_dict()))
+        self.generated_tokens = 0
+        self.generation_seconds = 0.0
+
+    @classmethod
+    def from_model_dir(cls, settings: RolloutSettings, model_dir: Path, version: int = 0) -> RolloutCore:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        return cls(settings, load_engine(settings, model_dir), tokenizer, model_dir, version)
+
+    # -- generation --
+
+    def default_stop_ids(self) -> tuple[int, ...]:
+        eos = self.tokenizer.eos_token_id
+        return (eos,) if eos is not None else ()
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text).input_ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def kv_config(self, policy: str | None = None, budget: int | None = None, **extra: Any) -> KVConfig:
+        if self.engine.name == "vllm":
+            return KVConfig(policy="dense")
+        return KVConfig(
+            policy=policy or self.settings.kv_policy,
+            budget=budget or self.settings.kv_budget,
+            buffer=extra.pop("buffer", None) or self.settings.kv_buffer,
+            **extra,
+        )
+
+    def check_lengths(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+        """Raise ValueError for a prompt that cannot fit the model's context with its new tokens."""
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise ValueError(f"prompt {i} is empty")
+            if len(ids) + max_new_tokens > self.max_positions:
+                raise ValueError(
+                    f"prompt {i} has {len(ids)} tokens; with max_tokens={max_new_tokens} it exceeds the "
+                    f"model's context of {self.max_positions}"
+                )
+            vocab = self.config.vocab_size
+            if any(t < 0 or t >= vocab for t in ids):
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab})")
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams, kv: KVConfig) -> Batch:
+        async with self.engine_lock:
+            version, fp = self.weights.version, self.weights.fingerprint
+            t0 = time.perf_counter()
+            outputs = await asyncio.to_thread(self.engine.generate, prompts, params, kv)
+            seconds = time.perf_counter() - t0
+        batch = Batch(version, fp, outputs, seconds)
+        self.generated_tokens += batch.generated_tokens
+        self.generation_seconds += seconds
+        return batch
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.generation_seconds if self.generation_seconds else 0.0

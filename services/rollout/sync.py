@@ -1,0 +1,150 @@
+"""Live weight sync: download in the background, apply at a batch boundary, verify, report.
+
+Downloads (and, for the snapshot path, decoding) run while the engine keeps generating; only the
+in-place writes hold the engine lock. Every patch is applied all-or-nothing with its target
+fingerprint checked, so the weights are always exactly some published version. Any verification
+failure falls back to the snapshot path; nothing unverified is ever served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from safetensors.torch import save_file
+
+from services.rollout.core import RolloutCore
+from shared.patch import PatchError, apply_patch, fingerprint, load_snapshot
+from shared.registry_client import CorruptObjectError, Plan, RegistryClient, RegistryHTTPError
+
+log = logging.getLogger(__name__)
+
+
+class SyncFailed(Exception):
+    pass
+
+
+async def bootstrap_model(client: RegistryClient, dest: Path) -> int:
+    """A worker with no weights: fetch the run's model files and its latest weights into `dest`
+    (a HF model directory any engine can load). Returns the version written."""
+    dest.mkdir(parents=True, exist_ok=True)
+    await client.fetch_model_files(dest)
+    state: dict[str, torch.Tensor] = {}
+    result = await client.sync_to(state, None)  # snapshot + chain, each verified
+    await asyncio.to_thread(save_file, {k: v.contiguous() for k, v in state.items()}, str(dest / "model.safetensors"))
+    return result.version
+
+
+async def match_registry_version(client: RegistryClient, local_fingerprint: str) -> int | None:
+    """The newest published version whose fingerprint equals the local weights', if any."""
+    for manifest in sorted(await client.versions(), key=lambda m: m.version, reverse=True):
+        if manifest.fingerprint == local_fingerprint:
+            return manifest.version
+    return None
+
+
+class WeightSync:
+    def __init__(self, core: RolloutCore, client: RegistryClient, poll_s: float = 2.0) -> None:
+        self.core = core
+        self.client = client
+        self.poll_s = poll_s
+        self.syncs = 0
+        self.fallbacks = 0
+        self.failures = 0
+        self.bytes = 0
+        self.download_mbps = 0.0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        backoff = self.poll_s
+        while not stop.is_set():
+            try:
+                target = await self.client.wait_for_version(self.core.weights.version, timeout=30.0, poll_s=self.poll_s)
+                if target is not None and target > self.core.weights.version:
+                    await self.sync_to(target)
+                backoff = self.poll_s
+            except (SyncFailed, RegistryHTTPError, httpx.HTTPError, OSError) as exc:
+                self.failures += 1
+                log.warning("weight sync failed (%s); retrying in %.1fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
+
+    async def sync_to(self, target: int | None = None) -> int:
+        """Bring the engine's weights to `target` (None: latest). Returns the version now held."""
+        weights = self.core.weights
+        t0 = time.perf_counter()
+        plan = await self.client.plan(weights.version, target)
+        if plan.kind == "none" or plan.to_version == weights.version:
+            return weights.version
+        weights.sync_state = "downloading"
+        try:
+            try:
+                version = await self._follow(plan)
+            except (CorruptObjectError, PatchError) as exc:
+                log.warning("sync %s→%s failed verification (%s); taking the snapshot path",
+                            weights.version, plan.to_version, exc)
+                self.fallbacks += 1
+                version = await self._follow(await self.client.plan(None, plan.to_version))
+        except Exception as exc:
+            weights.sync_state, weights.last_error = "failed", str(exc)
+            raise SyncFailed(str(exc)) from exc
+        seconds = time.perf_counter() - t0
+        self.syncs += 1
+        self.bytes += plan.total_bytes
+        self.download_mbps = plan.total_bytes * 8 / 1e6 / max(seconds, 1e-6)
+        weights.sync_state, weights.last_error = "idle", None
+        weights.last_sync = {"from": plan.from_version, "to": version, "path": plan.kind,
+                             "bytes": plan.total_bytes, "seconds": round(seconds, 4)}
+        log.info("weights now at version %d (%s, %d bytes, %.2fs)", version, plan.kind, plan.total_bytes, seconds)
+        return version
+
+    async def _follow(self, plan: Plan) -> int:
+        blobs = await self.client.download([step.object for step in plan.steps])
+        if plan.kind == "snapshot":
+            return await self._install_snapshot(plan, blobs)
+        return await self._apply_patches(blobs)
+
+    async def _apply_patches(self, blobs: list[bytes]) -> int:
+        core = self.core
+        async with core.engine_lock:  # batch boundary: no generation runs while weights change
+            core.weights.sync_state = "applying"
+            state = core.engine.state_dict()
+            changed: set[str] = set()
+            try:
+                for blob in blobs:
+                    header = await asyncio.to_thread(apply_patch, state, blob, verify=True)
+                    changed.update(t.name for t in header.tensors)
+                    core.weights.version, core.weights.fingerprint = header.target_version, header.target_fingerprint
+            finally:
+                if changed:
+                    core.engine.weights_updated(changed)
+            return core.weights.version
+
+    async def _install_snapshot(self, plan: Plan, blobs: list[bytes]) -> int:
+        def build() -> tuple[dict[str, torch.Tensor], str]:
+            tensors, info = load_snapshot(blobs[0])  # verifies the tensors against its fingerprint
+            for blob in blobs[1:]:
+                apply_patch(tensors, blob, verify=True)
+            return tensors, fingerprint(tensors)
+
+        tensors, fp = await asyncio.to_thread(build)  # decoded off the lock, while generation goes on
+        if fp != plan.fingerprint:
+            raise SyncFailed(f"snapshot path ends at fingerprint {fp}, plan promised {plan.fingerprint}")
+        core = self.core
+        async with core.engine_lock:
+            core.weights.sync_state = "applying"
+            state = core.engine.state_dict()
+            if set(state) != set(tensors):
+                raise SyncFailed("snapshot tensor names differ from the engine's weights")
+            for name, tensor in tensors.items():  # check everything before the first write
+                if state[name].shape != tensor.shape or state[name].dtype != tensor.dtype:
+                    raise SyncFailed(f"{name}: snapshot has {tensor.dtype}{list(tensor.shape)}, engine differs")
+            with torch.no_grad():
+                for name, tensor in tensors.items():
+                    state[name].copy_(tensor)
+            core.engine.weights_updated(set(tensors))
+            core.weights.version, core.weights.fingerprint = plan.to_version, fp
+            return plan.to_version
