@@ -142,23 +142,32 @@ class TokenBucket:
     traffic) so a capped run is not flattered by a large initial allowance.
     """
 
-    def __init__(self, bits_per_s: float, burst_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        bits_per_s: float,
+        burst_bytes: int | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
         if bits_per_s <= 0:
             raise ValueError("bandwidth must be positive")
         self.rate = bits_per_s / 8  # bytes per second
         self.capacity = burst_bytes if burst_bytes is not None else max(16 << 10, int(self.rate / 100))
+        self._clock = clock
+        self._sleep = sleep
         self._tokens = float(self.capacity)
-        self._last = time.monotonic()
+        self._last = clock()
         self._lock = asyncio.Lock()
 
     async def take(self, n: int) -> None:
         async with self._lock:
-            now = time.monotonic()
+            now = self._clock()
             self._tokens = min(self.capacity, self._tokens + (now - self._last) * self.rate)
             self._last = now
             self._tokens -= n
             if self._tokens < 0:
-                await asyncio.sleep(-self._tokens / self.rate)
+                await self._sleep(-self._tokens / self.rate)
 
 
 @dataclass
@@ -478,7 +487,9 @@ class RegistryClient:
         def build() -> dict[str, torch.Tensor]:
             tensors, info = load_snapshot(blobs[0])  # checks the tensors against its fingerprint
             if info.fingerprint != plan.steps[0].fingerprint:
-                raise CorruptObjectError(f"snapshot {plan.steps[0].object.key} is not version {info.version}")
+                raise CorruptObjectError(
+                    f"snapshot {plan.steps[0].object.key} holds {info.fingerprint}, the plan expects {plan.steps[0].fingerprint}"
+                )
             for blob in blobs[1:]:
                 apply_patch(tensors, blob, verify=True)
             return tensors

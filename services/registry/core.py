@@ -179,6 +179,11 @@ class Registry:
                     self.metrics.head.labels(run).set(state.head)
         return self._runs[run]
 
+    async def idle(self) -> None:
+        """Wait for background jobs (snapshot materialization) to finish."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
