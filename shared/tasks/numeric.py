@@ -45,11 +45,19 @@ def load_numeric_jsonl(path: str | Path) -> list[tuple[str, str]]:
             question, answer = row["question"], str(row["answer"])
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{path}:{lineno}: need a JSON object with 'question' and 'answer' ({e})") from e
-        number = parse_number(answer)
-        if number is None:
-            raise ValueError(f"{path}:{lineno}: no final number in answer {answer!r}")
-        out.append((PROMPT_TEMPLATE.format(question=question), _plain(number)))
+        try:
+            out.append(numeric_row(question, answer))
+        except ValueError as e:
+            raise ValueError(f"{path}:{lineno}: {e}") from e
     return out
+
+
+def numeric_row(question: str, answer: str) -> tuple[str, str]:
+    """(prompt, final number as a plain string) of one GSM8K-style row."""
+    number = parse_number(answer)
+    if number is None:
+        raise ValueError(f"no final number in answer {answer!r}")
+    return PROMPT_TEMPLATE.format(question=question), _plain(number)
 
 
 def _plain(number: Decimal) -> str:
