@@ -1,0 +1,310 @@
+"""HTTP API of the trainer: prompts in, status/versions/metrics out, pause/resume/checkpoint,
+and the dashboard. Thin layer over services.trainer.core.Trainer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from services.trainer.core import Trainer
+from services.trainer.settings import TrainerSettings
+from shared.coord import Coordinator, QueueFull
+from shared.registry_client import RegistryClient
+from shared.schemas import PromptGroup
+from shared.tasks import get_task, list_tasks
+from shared.tasks.numeric import numeric_row
+
+log = logging.getLogger(__name__)
+DASHBOARD = Path(__file__).parent / "dashboard"
+MAX_PROMPTS_PER_REQUEST = 10_000
+
+
+class PromptIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1)
+    answer: str | None = None
+    id: str | None = Field(default=None, min_length=1, max_length=200)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class GenerateSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    count: int = Field(ge=1, le=MAX_PROMPTS_PER_REQUEST)
+    seed: int = 0
+
+
+class PromptsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    task: str | None = Field(default=None, description="default: the trainer's default task")
+    samples_per_prompt: int | None = Field(default=None, ge=1, le=1024)
+    prompts: list[PromptIn] | None = Field(default=None, max_length=MAX_PROMPTS_PER_REQUEST)
+    generate: GenerateSpec | None = Field(default=None, description="make prompts from a built-in task")
+
+
+def load_api_token(settings: TrainerSettings) -> str:
+    if settings.api_token:
+        return settings.api_token
+    path = Path(settings.data_dir) / "api-token"
+    if path.is_file():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(24)
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    log.warning("no SPARSECAST_API_TOKEN set: generated one in %s", path)
+    return token
+
+
+def create_app(settings: TrainerSettings | None = None) -> FastAPI:
+    settings = settings or TrainerSettings()
+    token = load_api_token(settings)
+    state: dict[str, Any] = {"trainer": None, "error": None}
+    registry = CollectorRegistry()
+    gauges = {name: Gauge(f"trainer_{name}", doc, registry=registry) for name, doc in {
+        "step": "Optimizer steps taken", "version": "Weight version published last",
+        "reward_mean": "Mean reward of the last batch", "accuracy": "Exact-answer rate of the last batch",
+        "rejection_rate": "Sequences vetoed by the Sparse-RL correction", "token_mask_rate": "Tokens masked (ξ out of band)",
+        "xi_mean": "Mean ξ = π_old_dense/π_sampler", "kl_old_sampler": "KL(π_old_dense ‖ π_sampler) estimate",
+        "changed_fraction": "Fraction of bf16 weights changed by the last step", "patch_bytes": "Bytes of the last patch",
+        "payload_ratio": "Dense bf16 bytes / patch bytes", "step_seconds": "Wall time of the last step",
+        "kv_saved": "KV memory the samplers saved vs a dense cache",
+    }.items()}
+    coord_gauge = Gauge("coord", "Coordination counters and depths", ["name"], registry=registry)
+    staleness_gauge = Gauge("trainer_staleness_groups", "Groups of the last batch by version lag", ["lag"],
+                            registry=registry)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        redis = aioredis.Redis.from_url(settings.redis_url)
+        coord = Coordinator(redis, settings.redis_prefix, settings.coord)
+        client = RegistryClient(settings.registry_url, settings.run, token=token)
+        state["coord"], state["registry"] = coord, client
+        stop = asyncio.Event()
+
+        async def boot() -> None:
+            try:
+                trainer = await asyncio.to_thread(Trainer, settings, client, coord)
+                await trainer.start()
+                state["trainer"] = trainer
+                await trainer.run(stop)
+            except Exception as exc:
+                state["error"] = f"{type(exc).__name__}: {exc}"
+                log.exception("trainer stopped")
+
+        task = asyncio.create_task(boot())
+        try:
+            yield
+        finally:
+            stop.set()
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(task, timeout=60)
+            await client.aclose()
+            await redis.aclose()
+
+    app = FastAPI(title="sparsecast trainer", version="0.1.0", lifespan=lifespan,
+                  description="GRPO with Sparse-RL corrections; a sparse weight patch published every step.")
+    bearer = HTTPBearer(auto_error=False)
+
+    def authorize(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        if creds is None or not secrets.compare_digest(creds.credentials, token):
+            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+    def get_trainer() -> Trainer:
+        if state["trainer"] is None:
+            raise HTTPException(503, state["error"] or "trainer is starting (loading or warm-starting the model)")
+        return state["trainer"]
+
+    async def enqueue(task_name: str | None, samples: int | None, items: list[PromptIn]) -> dict:
+        name = task_name or settings.default_task
+        try:
+            get_task(name)
+        except KeyError as exc:
+            raise HTTPException(400, str(exc.args[0])) from exc
+        if not items:
+            raise HTTPException(400, "no prompts given")
+        n = samples or settings.samples_per_prompt
+        groups = [PromptGroup(id=p.id or f"{settings.run}-{uuid.uuid4().hex[:16]}", task=name, prompt=p.prompt,
+                              answer=p.answer, samples=n, metadata=p.metadata) for p in items]
+        try:
+            ids = await state["coord"].enqueue(groups)
+        except QueueFull as exc:
+            raise HTTPException(429, str(exc)) from exc
+        return {"task": name, "samples_per_prompt": n, "count": len(groups), "ids": [g.id for g in groups],
+                "entries": ids}
+
+    @app.post("/v1/prompts", dependencies=[Depends(authorize)])
+    async def submit_prompts(request: Request, task: str | None = Query(None),
+                             samples_per_prompt: int | None = Query(None, ge=1, le=1024)) -> dict:
+        """JSON body (PromptsRequest), or a JSONL upload (application/x-ndjson or multipart file):
+        one object per line with `prompt` (or GSM8K-style `question`) and `answer`."""
+        ctype = request.headers.get("content-type", "")
+        if ctype.startswith("application/json"):
+            try:
+                body = PromptsRequest.model_validate_json(await request.body())
+            except ValidationError as exc:
+                raise HTTPException(422, _errors(exc)) from exc
+            if (body.prompts is None) == (body.generate is None):
+                raise HTTPException(422, "give exactly one of 'prompts' or 'generate'")
+            name = body.task or task or settings.default_task
+            if body.generate is not None:
+                try:
+                    made = get_task(name).make_prompts(body.generate.count, seed=body.generate.seed)
+                except KeyError as exc:
+                    raise HTTPException(400, str(exc.args[0])) from exc
+                except Exception as exc:  # a task without a generator (e.g. gsm8k needs a source)
+                    raise HTTPException(400, f"task {name!r} cannot generate prompts: {exc}") from exc
+                items = [PromptIn(prompt=p, answer=a) for p, a in made]
+            else:
+                items = body.prompts or []
+            return await enqueue(name, body.samples_per_prompt or samples_per_prompt, items)
+        if ctype.startswith("multipart/form-data"):
+            form = await request.form()
+            upload = form.get("file")
+            if upload is None or isinstance(upload, str):
+                raise HTTPException(422, "multipart upload needs a 'file' field holding JSONL")
+            raw = await upload.read()
+        elif ctype.startswith(("application/x-ndjson", "application/jsonl", "text/plain")):
+            raw = await request.body()
+        else:
+            raise HTTPException(415, "send application/json, application/x-ndjson (JSONL) or a multipart 'file'")
+        return await enqueue(task, samples_per_prompt, _parse_jsonl(raw))
+
+    @app.get("/v1/tasks")
+    async def tasks() -> dict:
+        return {"tasks": list_tasks(), "default": settings.default_task}
+
+    @app.get("/v1/status")
+    async def status() -> dict:
+        trainer = state["trainer"]
+        coord: Coordinator = state["coord"]
+        stats, workers = await asyncio.gather(coord.stats(), coord.workers())
+        return {
+            "run": settings.run,
+            "state": trainer.state if trainer else ("failed" if state["error"] else "starting"),
+            "error": state["error"] or (trainer.last_error if trainer else None),
+            "paused": bool(trainer and trainer.paused.is_set()),
+            "step": trainer.step if trainer else 0,
+            "version": trainer.version if trainer else None,
+            "max_steps": settings.max_steps,
+            "queue": stats,
+            "workers": [w.model_dump() for w in workers],
+            "last": trainer.history[-1] if trainer and trainer.history else None,
+        }
+
+    @app.get("/v1/versions")
+    async def versions() -> dict:
+        manifests = await state["registry"].versions()
+        return {"run": settings.run, "versions": [
+            m.model_dump(exclude={"patch", "snapshot"}) | {
+                "patch_bytes": m.patch.size if m.patch else None,
+                "snapshot_bytes": m.snapshot.size if m.snapshot else None,
+                "payload_ratio": m.payload_ratio,
+                "changed_fraction": m.metrics.get("changed_fraction"),
+            } for m in manifests]}
+
+    @app.get("/v1/metrics/history")
+    async def history(since: int = Query(0, ge=0, description="steps after this one")) -> dict:
+        trainer = state["trainer"]
+        rows = trainer.history if trainer else []
+        return {"history": [r for r in rows if r.get("step", 0) > since]}
+
+    @app.post("/v1/train/pause", dependencies=[Depends(authorize)])
+    async def pause(trainer: Trainer = Depends(get_trainer)) -> dict:
+        trainer.paused.set()
+        return {"paused": True, "step": trainer.step}
+
+    @app.post("/v1/train/resume", dependencies=[Depends(authorize)])
+    async def resume(trainer: Trainer = Depends(get_trainer)) -> dict:
+        trainer.paused.clear()
+        return {"paused": False, "step": trainer.step}
+
+    @app.post("/v1/checkpoint", dependencies=[Depends(authorize)])
+    async def checkpoint(trainer: Trainer = Depends(get_trainer)) -> dict:
+        await trainer.wait_published()
+        path = await asyncio.to_thread(trainer.save_checkpoint)
+        return {"step": trainer.step, "version": trainer.version, "path": str(path)}
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"ok": True}
+
+    @app.get("/readyz")
+    async def readyz(response: Response) -> dict:
+        trainer = state["trainer"]
+        ready = trainer is not None and state["error"] is None
+        if not ready:
+            response.status_code = 503
+        return {"ready": ready, "state": trainer.state if trainer else "starting", "error": state["error"]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        trainer = state["trainer"]
+        if trainer is not None:
+            gauges["step"].set(trainer.step)
+            gauges["version"].set(trainer.version)
+            last = trainer.history[-1] if trainer.history else {}
+            for name, gauge in gauges.items():
+                if isinstance(last.get(name), int | float):
+                    gauge.set(last[name])
+            for lag, count in (last.get("staleness") or {}).items():
+                staleness_gauge.labels(lag).set(count)
+        with contextlib.suppress(Exception):
+            for name, value in (await state["coord"].stats()).items():
+                coord_gauge.labels(name).set(value)
+        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
+
+    @app.get("/", include_in_schema=False)
+    async def dashboard() -> Response:
+        index = DASHBOARD / "index.html"
+        if not index.is_file():
+            return JSONResponse({"detail": "dashboard not built into this package"}, status_code=404)
+        return FileResponse(index)
+
+    app.state.trainer = state
+    app.state.api_token = token
+    return app
+
+
+def _parse_jsonl(raw: bytes) -> list[PromptIn]:
+    items = []
+    for n, line in enumerate(raw.decode("utf-8", errors="strict").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise HTTPException(422, f"line {n}: not JSON ({exc.msg})") from exc
+        if not isinstance(obj, dict):
+            raise HTTPException(422, f"line {n}: expected an object")
+        if "prompt" not in obj and "question" in obj:  # GSM8K style: the answer ends with '#### N'
+            try:
+                prompt, answer = numeric_row(str(obj["question"]), str(obj.get("answer", "")))
+            except ValueError as exc:
+                raise HTTPException(422, f"line {n}: {exc}") from exc
+            obj = {k: v for k, v in obj.items() if k not in ("question", "answer")} | {"prompt": prompt, "answer": answer}
+        try:
+            items.append(PromptIn.model_validate(obj))
+        except ValidationError as exc:
+            raise HTTPException(422, f"line {n}: {_errors(exc)}") from exc
+    return items
+
+
+def _errors(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())

@@ -1,0 +1,345 @@
+"""The trainer core: GRPO with Sparse-RL corrections, a sparse patch published every step.
+
+No HTTP here. One step: collect trajectories (Redis) → recompute dense old-policy log-probs →
+corrections + PPO-clip loss → AdamW on fp32 master weights → cast to bf16 → extract the patch
+against the last published bf16 weights → publish to the registry. Extraction and upload run in
+the background while the next batch is collected; the next publish waits for the previous one,
+so versions stay a chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from services.trainer.batching import TrainBatch, collate
+from services.trainer.loss import grpo_advantages, grpo_loss, sparse_rl_corrections
+from services.trainer.rollout_math import token_logprobs
+from services.trainer.settings import TrainerSettings
+from shared.coord import Coordinator
+from shared.patch import extract_patch, fingerprint, read_header, save_snapshot
+from shared.registry_client import RegistryClient, RegistryHTTPError
+from shared.schemas import Trajectory
+
+log = logging.getLogger(__name__)
+
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json")
+
+
+def resolve_model_dir(settings: TrainerSettings) -> Path:
+    if settings.model == "tiny-demo":
+        from services.trainer.warmstart import ensure_warmstart_model
+
+        return ensure_warmstart_model(Path(settings.data_dir) / "warmstart")
+    path = Path(settings.model)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a HF model directory (no config.json); use 'tiny-demo' or a model dir")
+    return path
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def published_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """bf16 copies of the weights under the names HF's save_pretrained writes: a tied lm_head
+    shares the embedding's storage and is listed once (the first name), like the rollout engines."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        out[name] = tensor.detach().to(torch.bfloat16, copy=True)
+    return out
+
+
+class Trainer:
+    def __init__(self, settings: TrainerSettings, registry: RegistryClient, coord: Coordinator,
+                 model_dir: Path | None = None) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.coord = coord
+        self.model_dir = model_dir or resolve_model_dir(settings)
+        self.device = resolve_device(settings.device)
+        self.data_dir = Path(settings.data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(settings.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
+        self.model.config.use_cache = False
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
+                                           betas=(settings.beta1, settings.beta2))
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.version = 0  # the version published (and announced) last
+        self.step = 0
+        self.published = published_state(self.model)
+        self.dense_bytes = sum(t.numel() * t.element_size() for t in self.published.values())
+        self.numel = sum(t.numel() for t in self.published.values())
+        self.history: list[dict[str, Any]] = []
+        self.metrics_path = self.data_dir / "metrics.jsonl"
+        self.checkpoint_dir = self.data_dir / "checkpoint"
+        self.paused = asyncio.Event()  # set = paused
+        self.finished = asyncio.Event()
+        self.state = "starting"
+        self.last_error: str | None = None
+        self._publish_task: asyncio.Task | None = None
+        self._pending: list[Trajectory] = []  # collected when a pause came; trained after resume
+
+    # -- startup and resume --
+
+    async def start(self) -> None:
+        """Resume from the checkpoint if any, and make the registry hold our current version."""
+        if (self.checkpoint_dir / "trainer.pt").is_file():
+            await asyncio.to_thread(self._load_checkpoint)
+        fp = fingerprint(self.published)
+        latest = await self.registry.latest()
+        if latest is None:
+            await self._publish_model_files()
+            data = await asyncio.to_thread(save_snapshot, self._cpu(self.published), run=self.settings.run,
+                                           version=self.version)
+            await self.registry.publish_snapshot(self.version, data)
+            log.info("published snapshot v%d (%s) to a new run %r", self.version, fp, self.settings.run)
+        elif latest.version == self.version and latest.fingerprint == fp:
+            log.info("registry head v%d matches our weights (%s)", latest.version, fp)
+        elif latest.version > self.version:
+            # Published after our last checkpoint: continue from the registry's weights so the
+            # version chain stays intact (the optimizer state is the checkpoint's).
+            log.warning("registry is at v%d, checkpoint at v%d: loading the registry's weights", latest.version,
+                        self.version)
+            state = self._cpu(self.published)
+            result = await self.registry.sync_to(state, self.version if self.version or self.step else None,
+                                                 latest.version)
+            self._load_published(state, result.version)
+        else:
+            raise RuntimeError(
+                f"registry run {self.settings.run!r} is at v{latest.version} ({latest.fingerprint}) but the trainer "
+                f"holds v{self.version} ({fp}): use another run name or the matching checkpoint")
+        await self.coord.set_trainer_version(self.version)
+        self.state = "running"
+
+    async def _publish_model_files(self) -> None:
+        for name in MODEL_FILES:
+            path = self.model_dir / name
+            if path.is_file():
+                await self.registry.put_model_file(name, path.read_bytes())
+
+    def _load_published(self, state: dict[str, torch.Tensor], version: int) -> None:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in state.items():
+                target = params.get(name)
+                if target is None:
+                    target = self.model.get_buffer(name)
+                target.copy_(tensor.to(target.device, target.dtype))
+        self.published = published_state(self.model)
+        self.version = version
+
+    @staticmethod
+    def _cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.cpu() for k, v in state.items()}
+
+    # -- the loop --
+
+    async def run(self, stop: asyncio.Event) -> None:
+        try:
+            while not stop.is_set():
+                if self.settings.max_steps and self.step >= self.settings.max_steps:
+                    break
+                if self.paused.is_set():
+                    self.state = "paused"
+                    await asyncio.sleep(0.2)
+                    continue
+                self.state = "collecting"
+                trajectories = await self.collect(stop)
+                if not trajectories:
+                    continue
+                self.state = "training"
+                t0 = time.perf_counter()
+                metrics = await asyncio.to_thread(self.train_step, trajectories)
+                metrics["train_seconds"] = time.perf_counter() - t0
+                new_state = published_state(self.model)
+                await self.wait_published()  # the previous patch is the base of this one
+                self._publish_task = asyncio.create_task(self.publish(new_state, metrics, t0))
+            await self.wait_published()
+        finally:
+            self.state = "stopped" if not (self.settings.max_steps and self.step >= self.settings.max_steps) else "finished"
+            self.finished.set()
+
+    async def wait_published(self) -> None:
+        if self._publish_task is not None:
+            task, self._publish_task = self._publish_task, None
+            await task
+
+    async def collect(self, stop: asyncio.Event) -> list[Trajectory]:
+        """Up to groups_per_step trajectories; after collect_timeout_s, whatever arrived."""
+        wanted = self.settings.groups_per_step
+        got, self._pending = self._pending, []
+        deadline = time.monotonic() + self.settings.collect_timeout_s
+        while len(got) < wanted and not stop.is_set():
+            if self.paused.is_set():
+                self._pending = got
+                return []
+            got += await self.coord.next_trajectories(wanted - len(got), block_ms=500)
+            if time.monotonic() > deadline and got:
+                break
+        if stop.is_set():
+            return []  # unfinished batch: not trained, the groups are already counted
+        return got
+
+    def train_step(self, trajectories: list[Trajectory]) -> dict[str, Any]:
+        s = self.settings
+        batch = collate(trajectories, self.pad_id).to(self.device)
+        advantages = grpo_advantages(batch.rewards, batch.group_index)
+        mask = batch.completion_mask
+        self.model.train()
+        with torch.no_grad(), self._autocast():
+            logp_old = torch.cat([self._logprobs(batch, rows) for rows in self._micro_batches(batch)])
+        corrections = sparse_rl_corrections(logp_old, batch.logp_sampler, mask, s.loss.corrections)
+        kept = corrections.keep_token.sum().clamp(min=1)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_total, clip_sum = 0.0, 0.0
+        for rows in self._micro_batches(batch):
+            with self._autocast():
+                logp_new = self._logprobs(batch, rows)
+            loss, m = grpo_loss(logp_new, logp_old[rows], batch.logp_sampler[rows], advantages[rows], mask[rows],
+                                s.loss, corrections=corrections.rows(rows), normalizer=kept)
+            loss.backward()
+            loss_total += float(loss.detach())
+            clip_sum += m["clip_fraction"] * float(corrections.keep_token[rows].sum())
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip))
+        self.optimizer.step()
+        self.step += 1
+        lengths = batch.attention_mask.sum(dim=1).float()
+        completion_lengths = mask.sum(dim=1).float()
+        return {
+            "step": self.step,
+            "groups": len(trajectories),
+            "sequences": batch.sequences,
+            "reward_mean": float(batch.rewards.mean()),
+            "reward_std": float(batch.rewards.std()) if batch.sequences > 1 else 0.0,
+            "accuracy": float(batch.correct.float().mean()),
+            "loss": loss_total,
+            "grad_norm": grad_norm,
+            "clip_fraction": clip_sum / float(kept),
+            "completion_tokens_mean": float(completion_lengths.mean()),
+            # KV the samplers kept vs what a dense cache holds at the end of each sequence.
+            "kv_saved": float(1 - batch.kv_peak_tokens.sum() / lengths.sum()) if batch.kv_peak_tokens.sum() > 0 else 0.0,
+            "kv_peak_bytes_mean": float(batch.kv_peak_bytes.mean()),
+            "staleness": {str(k): v for k, v in batch.staleness(self.version).items()},
+            **{k: v for k, v in corrections.metrics.items() if k != "kept_tokens"},
+        }
+
+    def _micro_batches(self, batch: TrainBatch) -> list[slice]:
+        size = self.settings.micro_batch
+        return [slice(i, min(i + size, batch.sequences)) for i in range(0, batch.sequences, size)]
+
+    def _logprobs(self, batch: TrainBatch, rows: slice) -> torch.Tensor:
+        return token_logprobs(self.model, batch.input_ids[rows], batch.attention_mask[rows],
+                              batch.completion_mask[rows], self.settings.temperature)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if not self.settings.bf16_autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+    # -- publishing --
+
+    async def publish(self, new_state: dict[str, torch.Tensor], metrics: dict[str, Any], t0: float) -> None:
+        base, target = self.version, self.version + 1
+        t_extract = time.perf_counter()
+        patch = await asyncio.to_thread(extract_patch, self.published, new_state, run=self.settings.run,
+                                        base_version=base, target_version=target)
+        header = read_header(patch)
+        extract_seconds = time.perf_counter() - t_extract
+        metrics |= {
+            "version": target,
+            "changed_fraction": header.changed / self.numel if self.numel else 0.0,
+            "patch_bytes": len(patch),
+            "dense_bytes": self.dense_bytes,
+            "payload_ratio": self.dense_bytes / len(patch),
+            "extract_seconds": extract_seconds,
+        }
+        t_up = time.perf_counter()
+        try:
+            await self.registry.publish_patch(target, patch, metrics=_jsonable(metrics))
+            if self.settings.snapshot_every and target % self.settings.snapshot_every == 0:
+                data = await asyncio.to_thread(save_snapshot, self._cpu(new_state), run=self.settings.run,
+                                               version=target)
+                await self.registry.publish_snapshot(target, data)
+        except RegistryHTTPError as exc:
+            self.last_error = str(exc)
+            log.error("publishing v%d failed: %s", target, exc)
+            raise
+        metrics["upload_seconds"] = time.perf_counter() - t_up
+        metrics["step_seconds"] = time.perf_counter() - t0
+        metrics["time"] = time.time()
+        self.published, self.version = new_state, target
+        await self.coord.set_trainer_version(target)
+        self.history.append(metrics)
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(_jsonable(metrics)) + "\n")
+        log.info("step %d → v%d: reward %.3f acc %.3f changed %.2f%% patch %d B (%.0fx smaller)",
+                 metrics["step"], target, metrics["reward_mean"], metrics["accuracy"],
+                 100 * metrics["changed_fraction"], len(patch), metrics["payload_ratio"])
+        if self.settings.checkpoint_every and self.step % self.settings.checkpoint_every == 0:
+            await asyncio.to_thread(self.save_checkpoint)
+
+    # -- checkpoints --
+
+    def save_checkpoint(self) -> Path:
+        """Master weights, optimizer, version, step and history, written atomically."""
+        tmp = self.checkpoint_dir.with_name(self.checkpoint_dir.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        torch.save({
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "version": self.version,
+            "step": self.step,
+            "history": self.history,
+            "rng": torch.get_rng_state(),
+            "numpy_rng": np.random.get_state(),
+        }, tmp / "trainer.pt")
+        old = self.checkpoint_dir.with_name(self.checkpoint_dir.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if self.checkpoint_dir.exists():
+            os.rename(self.checkpoint_dir, old)
+        os.rename(tmp, self.checkpoint_dir)
+        shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint at step %d, v%d", self.step, self.version)
+        return self.checkpoint_dir
+
+    def _load_checkpoint(self) -> None:
+        ckpt = torch.load(self.checkpoint_dir / "trainer.pt", map_location=self.device, weights_only=False)
+        self.model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.version, self.step, self.history = ckpt["version"], ckpt["step"], ckpt["history"]
+        torch.set_rng_state(ckpt["rng"])
+        np.random.set_state(ckpt["numpy_rng"])
+        self.published = published_state(self.model)
+        log.info("resumed from checkpoint: step %d, v%d", self.step, self.version)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    return value

@@ -1,0 +1,51 @@
+"""Settings of the trainer service (env prefix SPARSECAST_, nested with __, e.g.
+SPARSECAST_LOSS__CORRECTIONS__TOKEN_MASK=false)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from services.trainer.loss import LossConfig
+from shared.coord import CoordSettings
+
+
+class TrainerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPARSECAST_", env_nested_delimiter="__", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # "tiny-demo": the cached warm-start tiny model (services.trainer.warmstart); else a HF model dir.
+    model: str = "tiny-demo"
+    device: str = "auto"  # cpu | cuda | cuda:N | auto
+    data_dir: str = "./data/trainer"  # checkpoints, metrics.jsonl, the warm-start cache
+    run: str = "default"
+    # Bearer token for writes (prompts, pause/resume, checkpoint) and for publishing to the
+    # registry. Empty: a random token is made at startup and written to <data_dir>/api-token.
+    api_token: str = ""
+    registry_url: str = "http://127.0.0.1:8100"
+    redis_url: str = "redis://127.0.0.1:6379"
+    redis_prefix: str = "sparsecast"
+    coord: CoordSettings = Field(default_factory=CoordSettings)
+
+    # Optimisation (Sparse-RL uses lr 1e-6, wd 0.1, betas (0.9, 0.98) on 1.5B-7B models; the
+    # tiny demo model needs a larger lr to move within minutes).
+    lr: float = Field(default=1e-6, gt=0)
+    weight_decay: float = Field(default=0.1, ge=0)
+    beta1: float = 0.9
+    beta2: float = 0.98
+    grad_clip: float = Field(default=1.0, gt=0)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    # Must equal the workers' sampling temperature: logp_old_dense is recomputed at it.
+    temperature: float = Field(default=1.0, ge=0)
+    groups_per_step: int = Field(default=16, ge=1)
+    micro_batch: int = Field(default=64, ge=1, description="sequences per forward/backward pass")
+    collect_timeout_s: float = Field(default=600.0, gt=0, description="step with what arrived after this")
+    max_steps: int = Field(default=0, ge=0, description="0 = train until stopped")
+    bf16_autocast: bool = True
+    checkpoint_every: int = Field(default=10, ge=0, description="steps between automatic checkpoints; 0 = off")
+    snapshot_every: int = Field(default=0, ge=0, description="trainer-side snapshots; the registry also makes them")
+    seed: int = 0
+    # Default task for POST /v1/prompts with generated prompts.
+    default_task: str = "addition"
+    samples_per_prompt: int = Field(default=8, ge=1)
