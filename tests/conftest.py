@@ -73,3 +73,32 @@ def redis_prefix(redis_url: str) -> Iterator[str]:
             client.delete(*keys)
     finally:
         client.close()
+
+
+def build_tiny_model_dir(path, seed: int = 0, **overrides) -> str:
+    """A tiny Qwen3 HF model directory (bf16 safetensors + the char tokenizer), no download."""
+    from transformers import GenerationConfig, Qwen3ForCausalLM
+
+    from shared.modeling import qwen3_config
+    from shared.tokenizer import save_tokenizer
+
+    tokenizer = save_tokenizer(path)
+    config = qwen3_config("tiny")
+    config.vocab_size = len(tokenizer)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = (
+        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    for key, value in {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, **overrides}.items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
+                                               eos_token_id=tokenizer.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
