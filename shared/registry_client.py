@@ -426,9 +426,13 @@ class RegistryClient:
                     return
                 await self._fetch_piece(download, i)
 
-        async with asyncio.TaskGroup() as group:
-            for _ in range(min(self.streams, max(1, queue.qsize()))):
-                group.create_task(worker())
+        try:
+            async with asyncio.TaskGroup() as group:
+                for _ in range(min(self.streams, max(1, queue.qsize()))):
+                    group.create_task(worker())
+        except ExceptionGroup as errors:
+            # The first failure cancels the other streams; callers handle plain exceptions.
+            raise errors.exceptions[0] from None
         for download in downloads:
             if download.part is not None:
                 download.part.unlink(missing_ok=True)
