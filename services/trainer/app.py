@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -276,6 +277,9 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
         if not index.is_file():
             return JSONResponse({"detail": "dashboard not built into this package"}, status_code=404)
         return FileResponse(index)
+
+    if DASHBOARD.is_dir():  # the page's script and stylesheet
+        app.mount("/dashboard", StaticFiles(directory=DASHBOARD), name="dashboard")
 
     app.state.trainer = state
     app.state.api_token = token
