@@ -87,8 +87,10 @@ def build_tiny_model_dir(path, seed: int = 0, **overrides) -> str:
     config.vocab_size = len(tokenizer)
     config.bos_token_id, config.eos_token_id, config.pad_token_id = (
         tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    for key, value in {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, **overrides}.items():
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, **overrides}
+    config.layer_types = ["full_attention"] * shape["num_hidden_layers"]
+    for key, value in shape.items():
         setattr(config, key, value)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).to(torch.bfloat16)
