@@ -1,0 +1,74 @@
+"""Inputs and outputs of the generation engine.
+
+`SamplingParams` and `KVConfig` are pydantic models so the HTTP layer can take them straight from
+a request body (invalid values raise `pydantic.ValidationError`, a `ValueError`). Every eviction
+constant is a `KVConfig` field; the defaults are those of Sparse-RL's R-KV setup
+(docs/engine.md, REFERENCE §1: λ = 0.1, observation window 8, pooling kernel 7, re-compression
+every 128 decode steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from shared.schemas import KVStats
+
+Policy = Literal["dense", "streaming", "snapkv", "h2o", "rkv"]
+FinishReason = Literal["stop", "length"]
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(default=1.0, ge=0.0, description="0 = greedy")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, description="0 = whole vocabulary")
+    max_new_tokens: int = Field(default=256, ge=1)
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = Field(default=None, description="same seed + same prompts = same samples")
+
+
+class KVConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    policy: Policy = "dense"
+    # Tokens kept after each compression. With keep_prompt (default) the prompt is never evicted
+    # and the budget counts generated tokens only; otherwise it counts every stored token.
+    budget: int = Field(default=512, ge=1)
+    # Re-compression interval: a sequence stores up to budget + buffer evictable tokens, then is
+    # compressed back to budget (R-KV, Sparse-RL: every 128 decode steps).
+    buffer: int = Field(default=128, ge=1)
+    keep_prompt: bool = True
+    window: int = Field(default=8, ge=1, description="observation window: recent queries that score, recent keys always kept")
+    kernel: int = Field(default=7, ge=1, description="max/avg pooling kernel over importance (odd)")
+    pooling: Literal["max", "avg"] = "max"
+    mix_lambda: float = Field(default=0.1, ge=0.0, le=1.0, description="R-KV: λ·importance − (1−λ)·redundancy")
+    similarity_threshold: float = Field(default=0.5, ge=-1.0, le=1.0, description="R-KV near-duplicate cosine")
+    sink_tokens: int = Field(default=4, ge=0, description="streaming: first tokens always kept")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> KVConfig:
+        if self.kernel % 2 == 0:
+            raise ValueError(f"kernel must be odd, got {self.kernel}")
+        if self.policy == "streaming":
+            if self.budget < self.sink_tokens + 1:
+                raise ValueError(f"budget {self.budget} must exceed sink_tokens {self.sink_tokens}")
+        elif self.policy != "dense" and self.budget < self.window:
+            raise ValueError(f"budget {self.budget} must be at least the window {self.window}")
+        return self
+
+
+@dataclass
+class GenerationOutput:
+    token_ids: list[int]
+    # Sampler log-prob of each sampled token: fp32 log_softmax(logits / T) over the full
+    # vocabulary, before top-k/top-p (T = 0: log_softmax(logits)); see docs/engine.md.
+    logprobs: list[float]
+    finish_reason: FinishReason
+    kv: KVStats
+
+
+__all__ = ["FinishReason", "GenerationOutput", "KVConfig", "KVStats", "Policy", "SamplingParams"]
