@@ -93,13 +93,16 @@ def unzigzag(z: torch.Tensor) -> torch.Tensor:
 
 def varint_encode(values: torch.Tensor) -> torch.Tensor:
     """LEB128 of non-negative int64 values, vectorised: one pass per byte position (≤ 9)."""
+    if not values.numel():
+        return torch.empty(0, dtype=torch.uint8, device=values.device)
+    longest = max(1, (int(values.max()).bit_length() + 6) // 7)
     n_bytes = torch.ones_like(values)
-    for k in range(1, _MAX_VARINT_BYTES):
+    for k in range(1, longest):  # usually 1-2 passes: gaps are small
         n_bytes += values >= (1 << (7 * k))
     ends = torch.cumsum(n_bytes, 0)
-    out = torch.empty(int(ends[-1]) if values.numel() else 0, dtype=torch.uint8, device=values.device)
+    out = torch.empty(int(ends[-1]), dtype=torch.uint8, device=values.device)
     starts = ends - n_bytes
-    for k in range(int(n_bytes.max()) if values.numel() else 0):
+    for k in range(longest):
         sel = torch.nonzero(n_bytes > k).view(-1) if k else None
         v = values if sel is None else values[sel]
         byte = (v >> (7 * k)) & 0x7F

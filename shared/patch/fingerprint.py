@@ -1,9 +1,11 @@
 """Whole-model fingerprint at memory speed (CPU or CUDA) and per-chunk checksums.
 
 Per tensor we reduce its raw bytes, read as little-endian 64-bit words w_i, to
-S = sum_i w_i * m_i  (mod 2**64), with an odd multiplier m_i = A[i % 1024] * B[i // 1024] for every
-word position. Flipping bit b of word i changes S by ±2**b * m_i, which is non-zero mod 2**64
-because m_i is odd, so any single bit flip changes S. Integer addition mod 2**64 is associative,
+S = sum_i x_i * m_i  (mod 2**64), with x_i = w_i ^ (w_i >> 29) and an odd multiplier
+m_i = A[i % 1024] * B[i // 1024] for every word position. The xorshift is a bijection, so flipping
+any bit of w_i changes x_i by some D != 0 with |D| < 2**64, and D * m_i != 0 mod 2**64 because m_i
+is odd: any single bit flip changes S. (Without the xorshift, a flip of bit 63 would change S by
+2**63 whatever the position, so two sign flips of high elements would cancel.) Integer addition mod 2**64 is associative,
 so the result is the same on CPU and GPU and for any reduction order. The per-tensor sums are then
 hashed with each tensor's name, dtype and shape through blake2b. Reading 16-bit weights as 64-bit
 words keeps the work per weight to about 6 bytes of memory traffic.
@@ -56,6 +58,11 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([words, tail.view(torch.int64)])
 
 
+def _mix(w: torch.Tensor) -> torch.Tensor:
+    # xorshift with a logical right shift (mask off the sign copies): a bijection on 64 bits.
+    return w ^ ((w >> 29) & 0x7_FFFF_FFFF)
+
+
 def tensor_sum(t: torch.Tensor) -> torch.Tensor:
     """S for one tensor, as a 0-d int64 tensor on the tensor's device (no host sync)."""
     words = _words(t)
@@ -65,10 +72,10 @@ def tensor_sum(t: torch.Tensor) -> torch.Tensor:
     for start in range(0, n_rows, _SLICE_ROWS):
         rows = min(_SLICE_ROWS, n_rows - start)
         block = words[start * _ROW : (start + rows) * _ROW].view(rows, _ROW)
-        row_sums = (block * cols).sum(dim=1)
+        row_sums = (_mix(block) * cols).sum(dim=1)
         total = total + (row_sums * _row_multipliers(start, rows, words.device)).sum()
     if rest:
-        tail = words[n_rows * _ROW :] * cols[:rest]
+        tail = _mix(words[n_rows * _ROW :]) * cols[:rest]
         total = total + tail.sum() * _row_multipliers(n_rows, 1, words.device)[0]
     return total
 
