@@ -1,0 +1,74 @@
+"""Every SPARSECAST_* name the deployment files set is a real setting of a service, and every one of
+them is listed in docs/deploy.md (the one list the services' settings and the deploy files share)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.registry.settings import RegistrySettings
+from services.rollout.settings import RolloutSettings
+from services.trainer.settings import TrainerSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+NAME = re.compile(r"\bSPARSECAST_[A-Z0-9_]+\b")
+SETTINGS = (RegistrySettings, RolloutSettings, TrainerSettings)
+
+
+def deploy_files() -> list[Path]:
+    files = [ROOT / "compose.yaml", *sorted((ROOT / "docker").glob("Dockerfile.*"))]
+    files += sorted((ROOT / "deploy" / "env").iterdir())
+    files += sorted(p for p in (ROOT / "k8s").rglob("*") if p.is_file())
+    return files
+
+
+def container_env_names() -> set[str]:
+    """Names that reach a container's environment (not compose's own ${...} variables)."""
+    names: set[str] = set()
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    for service in compose["services"].values():
+        names |= {k for k in service.get("environment", {}) if k.startswith("SPARSECAST_")}
+    for path in (ROOT / "deploy" / "env").iterdir():
+        names |= set(re.findall(r"^#?\s*(SPARSECAST_[A-Z0-9_]+)=", path.read_text(), re.MULTILINE))
+    for dockerfile in (ROOT / "docker").glob("Dockerfile.*"):
+        env_lines = re.findall(r"^ENV (.*?)(?=^\S)", dockerfile.read_text(), re.MULTILINE | re.DOTALL)
+        names |= set(NAME.findall(" ".join(env_lines)))
+    if shutil.which("kubectl"):
+        for overlay in ("cpu", "gpu"):
+            rendered = subprocess.run(
+                ["kubectl", "kustomize", str(ROOT / "k8s" / "kustomize" / "overlays" / overlay)],
+                capture_output=True, text=True, timeout=60, check=True,
+            )
+            names |= set(NAME.findall(rendered.stdout))
+    for template in (ROOT / "k8s" / "helm" / "sparsecast" / "templates").glob("*.yaml"):
+        names |= set(re.findall(r"^\s+(?:- name: )?(SPARSECAST_[A-Z0-9_]+)", template.read_text(), re.MULTILINE))
+    return names
+
+
+def is_setting(name: str) -> bool:
+    field = name.removeprefix("SPARSECAST_").lower().split("__")[0]
+    return any(field in settings.model_fields for settings in SETTINGS)
+
+
+def test_container_env_names_are_service_settings() -> None:
+    names = container_env_names()
+    assert {"SPARSECAST_REDIS_URL", "SPARSECAST_PORT", "SPARSECAST_KV_POLICY"} <= names
+    unknown = sorted(name for name in names if not is_setting(name))
+    assert not unknown, f"set by the deploy files but read by no service: {unknown}"
+
+
+def test_every_name_is_documented_in_deploy_md() -> None:
+    documented = set(NAME.findall((ROOT / "docs" / "deploy.md").read_text()))
+    used = {name for path in deploy_files() for name in NAME.findall(path.read_text())}
+    assert not sorted(used - documented), f"missing from docs/deploy.md: {sorted(used - documented)}"
+
+
+@pytest.mark.parametrize("name", ["SPARSECAST_KV_BUDGET", "SPARSECAST_S3_ALLOW_HTTP", "SPARSECAST_MODEL"])
+def test_is_setting_tells_real_from_made_up(name: str) -> None:
+    assert is_setting(name)
+    assert not is_setting(name + "_TYPO")
