@@ -1,0 +1,167 @@
+"""The compacting KV cache and the eviction policies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
+from services.rollout.engine.kv_cache import KVCache, cache_capacity
+from services.rollout.engine.policies import key_redundancy
+from tests.unit.engine_helpers import one_thread, tiny_config
+
+_one_thread = pytest.fixture(autouse=True)(one_thread)
+
+HEADS, KV_HEADS, DIM, LAYERS = 4, 2, 8, 2
+
+
+def _drive(kv: KVConfig, prompt_lengths: list[int], steps: int, seed: int = 0,
+           keys: torch.Tensor | None = None) -> KVCache:
+    """Run a cache through prefill and `steps` decode steps with random q/k/v, compressing as the engine does."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, width = len(prompt_lengths), max(prompt_lengths)
+    cache = KVCache(num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
+                    prompt_lengths=prompt_lengths, capacity=cache_capacity(prompt_lengths, steps, kv), kv=kv,
+                    dtype=torch.float32, device=torch.device("cpu"))
+    cache.begin_prefill(width)
+    for layer in range(LAYERS):
+        q = torch.randn(batch, HEADS, width, DIM, generator=gen)
+        k, v = torch.randn(2, batch, KV_HEADS, width, DIM, generator=gen)
+        cache.prefill(layer, q, k, v)
+    if cache.needs_compression():
+        cache.compress()
+    positions = torch.tensor(prompt_lengths)
+    for step in range(steps):
+        cache.begin_decode(positions)
+        for layer in range(LAYERS):
+            q = torch.randn(batch, HEADS, 1, DIM, generator=gen)
+            k = torch.randn(batch, KV_HEADS, 1, DIM, generator=gen) if keys is None else keys[step].expand(
+                batch, KV_HEADS, 1, DIM)
+            cache.decode(layer, q, k, torch.randn(batch, KV_HEADS, 1, DIM, generator=gen))
+        cache.end_decode()
+        positions = positions + 1
+        assert max(cache.lengths) <= cache.capacity
+        if cache.needs_compression():
+            cache.compress()
+    return cache
+
+
+def _kept_positions(cache: KVCache, row: int, layer: int = 0, head: int = 0) -> list[int]:
+    return cache.positions[layer, row, head, : cache.lengths[row]].tolist()
+
+
+def test_streaming_keeps_sinks_and_the_recent_window() -> None:
+    kv = KVConfig(policy="streaming", budget=12, buffer=5, sink_tokens=4, keep_prompt=False)
+    cache = _drive(kv, [3, 6], steps=40)
+    for row, prompt_len in enumerate([3, 6]):
+        total = prompt_len + 40
+        stored = cache.lengths[row]
+        assert 12 <= stored < 12 + 5
+        recent = list(range(total - (stored - 4), total))
+        for layer in range(LAYERS):
+            for head in range(KV_HEADS):
+                assert _kept_positions(cache, row, layer, head) == [0, 1, 2, 3] + recent
+
+
+def test_keep_prompt_protects_the_prompt_and_budgets_generated_tokens() -> None:
+    kv = KVConfig(policy="streaming", budget=10, buffer=4, sink_tokens=2)
+    cache = _drive(kv, [20, 7], steps=50)
+    for row, prompt_len in enumerate([20, 7]):
+        kept = _kept_positions(cache, row)
+        assert kept[:prompt_len] == list(range(prompt_len))
+        generated = kept[prompt_len:]
+        assert 10 <= len(generated) < 14
+        assert generated == list(range(prompt_len + 50 - len(generated), prompt_len + 50))
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o", "rkv"])
+def test_scoring_policies_keep_window_and_prompt_and_evict_per_head(policy: str) -> None:
+    kv = KVConfig(policy=policy, budget=16, buffer=8, window=8)
+    cache = _drive(kv, [5, 9], steps=60, seed=3)
+    differs = False
+    for row, prompt_len in enumerate([5, 9]):
+        total, stored = prompt_len + 60, cache.lengths[row]
+        assert stored == prompt_len + 16 + (60 - 24) % 8
+        for layer in range(LAYERS):
+            for head in range(KV_HEADS):
+                kept = _kept_positions(cache, row, layer, head)
+                assert kept == sorted(set(kept))  # chronological, no duplicates
+                assert kept[:prompt_len] == list(range(prompt_len))
+                assert kept[-8:] == list(range(total - 8, total))
+            differs |= _kept_positions(cache, row, layer, 0) != _kept_positions(cache, row, layer, 1)
+    assert differs  # per-head selection
+
+
+def test_compaction_moves_keys_and_values_with_their_positions() -> None:
+    kv = KVConfig(policy="snapkv", budget=8, buffer=4, keep_prompt=False)
+    # Key = its logical position in every coordinate: after compaction each slot must still match.
+    keys = torch.arange(100, dtype=torch.float32)[:, None, None, None, None].expand(100, 1, 1, 1, DIM) + 3
+    cache = _drive(kv, [3], steps=40, keys=keys)
+    n = cache.lengths[0]
+    positions = cache.positions[:, 0, :, :n].float()
+    assert torch.equal(cache.k[:, 0, :, :n, 0], positions)
+
+
+def test_h2o_keeps_the_heaviest_accumulated_attention() -> None:
+    kv = KVConfig(policy="h2o", budget=8, buffer=4, window=2, keep_prompt=False)
+    cache = _drive(kv, [4], steps=7)  # 11 stored: below budget + buffer, nothing evicted yet
+    assert cache.lengths == [11] and not cache.needs_compression()
+    acc = cache.attn_acc[:, 0, :, :11]
+    lightest = acc[0, 0, :9].argmin().item()
+    acc[0, 0, lightest] += 100.0  # make the least-attended token a heavy hitter
+    expected = [sorted(acc[layer, head, :9].topk(6).indices.tolist()) + [9, 10]
+                for layer in range(LAYERS) for head in range(KV_HEADS)]
+    assert cache.compress() == [3]
+    kept = [_kept_positions(cache, 0, layer, head) for layer in range(LAYERS) for head in range(KV_HEADS)]
+    assert kept == expected and lightest in kept[0]
+
+
+def test_rkv_redundancy_penalises_duplicates_but_keeps_the_latest_copy() -> None:
+    torch.manual_seed(0)
+    keys = torch.randn(1, 1, 10, 16)
+    keys[0, 0, 3] = keys[0, 0, 1] * 2.0  # same direction as key 1
+    keys[0, 0, 7] = keys[0, 0, 1] + 0.01 * torch.randn(16)
+    valid = torch.ones(1, 10, dtype=torch.bool)
+    red = key_redundancy(keys, valid, threshold=0.5)[0, 0]
+    assert red.sum().item() == pytest.approx(1.0, abs=1e-5)
+    unique = [i for i in range(10) if i not in (1, 3, 7)]
+    assert red[1] > max(red[i] for i in unique)
+    # Each copy's similarity to its most recent near-duplicate is dropped, so the oldest copy
+    # (two other copies) scores above the newest (which still counts the older ones).
+    assert red[1] >= red[7] - 1e-6
+    # Empty slots get no redundancy mass.
+    valid[0, 8:] = False
+    assert key_redundancy(keys, valid, 0.5)[0, 0, 8:].abs().max() == 0
+
+
+@pytest.mark.parametrize("policy", ["streaming", "snapkv", "h2o", "rkv"])
+def test_kv_memory_bounded_at_four_times_the_budget(policy: str) -> None:
+    engine = LLMEngine(tiny_config("qwen3"))
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    kv = KVConfig(policy=policy, budget=16, buffer=8)
+    sizes, outs = [], None
+    for gen_len in (32, 64):  # 2x and 4x the budget
+        outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=gen_len, seed=0), kv)
+        sizes.append(engine.last_batch_kv_bytes)
+    assert sizes[0] == sizes[1] == 2 * (4 + 16 + 8) * engine.kv_bytes_per_token()
+    dense = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=64, seed=0), KVConfig())
+    assert engine.last_batch_kv_bytes == 2 * (4 + 64) * engine.kv_bytes_per_token()
+    for prompt, out, d in zip(prompts, outs, dense, strict=True):
+        assert len(out.token_ids) == 64
+        assert out.kv.peak_tokens == len(prompt) + 16 + 8
+        assert out.kv.peak_bytes == out.kv.peak_tokens * engine.kv_bytes_per_token()
+        # 63 decode steps store tokens (the last sample is never fed back); the buffer fills at 24
+        # stored generated tokens and then every 8: 5 compressions of 8 tokens.
+        assert out.kv.evicted == 5 * 8
+        # Dense stores the prompt and every generated token but the last (never fed back).
+        assert d.kv.peak_tokens == len(prompt) + 63 and d.kv.evicted == 0
+
+
+def test_long_prompt_is_compressed_at_prefill_without_keep_prompt() -> None:
+    engine = LLMEngine(tiny_config("qwen3"))
+    kv = KVConfig(policy="rkv", budget=12, buffer=4, keep_prompt=False)
+    out = engine.generate([list(range(1, 31))], SamplingParams(temperature=0.0, max_new_tokens=10), kv)[0]
+    assert out.kv.peak_tokens == 30  # the whole prompt is written before it is first cut
+    # 30 -> 12 at prefill, then 9 decode steps fill the 4-token buffer twice.
+    assert out.kv.evicted == 18 + 4 + 4
+    assert engine.last_batch_kv_bytes == 30 * engine.kv_bytes_per_token()
