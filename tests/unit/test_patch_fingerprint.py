@@ -12,6 +12,7 @@ from shared.patch import (
     snapshot_info,
 )
 from shared.patch.codec import bits
+from shared.patch.fingerprint import _short_sums, tensor_sum
 
 torch.set_num_threads(1)
 
@@ -55,6 +56,11 @@ def test_fingerprint_sees_names_shapes_dtypes_not_dict_order():
         {"x": a},
     ]
     assert len({fingerprint(v) for v in variants} | {base}) == len(variants) + 1
+
+
+def test_batched_short_tensors_match_the_per_tensor_reduction():
+    short = [torch.randn(n).bfloat16() for n in (0, 1, 3, 4, 5, 100, 4095)] + [torch.randn(7).double()]
+    assert _short_sums(short).tolist() == [int(tensor_sum(t)) for t in short]
 
 
 def test_pairs_of_sign_flips_do_not_cancel():

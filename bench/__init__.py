@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m bench.<name>`, results as JSON under bench/results/."""

@@ -1,0 +1,277 @@
+"""Sparse weight patch benchmark: `python -m bench.patch [--shape small] [--device cpu]`.
+
+A Qwen3-shaped model (from config, no download) is trained with AdamW (lr 1e-6) on a real LM
+loss over a text-like token stream; fp32 master weights, bf16 published weights. Per step it
+records the changed fraction, dense bf16 bytes, patch bytes for `values`, `bitdelta`, `auto` and a
+PULSE-style baseline (grail's codec, ../shared/REFERENCE.md §2, re-implemented below), whether the
+applied patch is bit-exact, and extract / encode / decode / apply / fingerprint seconds. After the
+steps: union sparsity and merged patch size for k = 2, 4, 8 steps. JSON goes to
+bench/results/patch-<device>.json. `--save-patches DIR` writes the base snapshot and every step's
+patch (the registry benchmark replays them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import struct
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zstandard
+from transformers import Qwen3ForCausalLM
+
+from shared.modeling import qwen3_config
+from shared.patch import apply_patch, extract_patch, fingerprint, merge_patches, read_header, save_snapshot
+from shared.patch.codec import bits, decode_patch
+from shared.patch.format import parse_patch
+
+StateDict = dict[str, torch.Tensor]
+# Per shape: (batch, sequence length) of the training step.
+_BATCH = {"tiny": (4, 64), "small": (4, 128), "0.6b": (8, 512), "1.7b": (8, 512)}
+_MERGE_K = (2, 4, 8)
+
+
+def text_like_tokens(vocab: int, n: int, rng: np.random.Generator) -> torch.Tensor:
+    """Zipf-distributed tokens, half of them inside repeated n-grams (phrases), like real text."""
+    p = np.arange(1, vocab + 1, dtype=np.float64) ** -1.1
+    p /= p.sum()
+    phrases = [rng.choice(vocab, size=rng.integers(2, 9), p=p) for _ in range(256)]
+    phrase_p = np.arange(1, len(phrases) + 1, dtype=np.float64) ** -1.0
+    phrase_p /= phrase_p.sum()
+    out: list[np.ndarray] = []
+    total = 0
+    while total < n:
+        piece = phrases[rng.choice(len(phrases), p=phrase_p)] if rng.random() < 0.5 else rng.choice(vocab, 4, p=p)
+        out.append(piece)
+        total += piece.size
+    return torch.from_numpy(np.concatenate(out)[:n].astype(np.int64))
+
+
+def pulse_baseline_bytes(old: StateDict, new: StateDict) -> int:
+    """Bytes of grail's sparse delta codec (PULSE, arXiv 2602.03839; REFERENCE §2): changed
+    elements as COO sorted by (row, col), row = flat // prod(shape[1:]); rows diff-encoded, cols
+    absolute at a row change and deltas within a row; each index array downcast to uint8 / uint16
+    where its maximum fits (else int32); values as raw bits; a u32-length-prefixed JSON header
+    with per-tensor offsets; zstd level 1 over the whole blob."""
+    meta: list[dict[str, Any]] = []
+    blobs: list[bytes] = []
+    offset = 0
+    for name in sorted(new):
+        o, n = bits(old[name]), bits(new[name])
+        flat = torch.nonzero(o != n).view(-1)
+        if not flat.numel():
+            continue
+        cols_per_row = math.prod(new[name].shape[1:]) if new[name].dim() > 1 else 1
+        rows, cols = (flat // cols_per_row).cpu().numpy(), (flat % cols_per_row).cpu().numpy()
+        values = n[flat].cpu().numpy()
+        row_delta = np.diff(rows, prepend=0)
+        boundary = np.ones(rows.size, dtype=bool)
+        boundary[1:] = row_delta[1:] != 0
+        col_delta = np.where(boundary, cols, np.diff(cols, prepend=0))
+        parts = [_downcast(row_delta, allow_uint8=True), _downcast(col_delta, allow_uint8=False), values.tobytes()]
+        meta.append({"name": name, "shape": list(new[name].shape), "nnz": int(flat.numel()), "offset": offset,
+                     "sizes": [len(b) for b in parts]})
+        blobs += parts
+        offset += sum(len(b) for b in parts)
+    header = json.dumps({"version": 31, "tensors": meta}, separators=(",", ":")).encode()
+    blob = struct.pack("<I", len(header)) + header + b"".join(blobs)
+    return len(zstandard.ZstdCompressor(level=1, threads=-1).compress(blob))
+
+
+def _downcast(a: np.ndarray, *, allow_uint8: bool) -> bytes:
+    top = int(a.max())
+    dtype = np.uint8 if allow_uint8 and top <= 0xFF else np.uint16 if top <= 0xFFFF else np.int32
+    return a.astype(dtype).tobytes()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
+    _sync(device)
+    start = time.perf_counter()
+    result = fn()
+    _sync(device)
+    return result, time.perf_counter() - start
+
+
+def _extract_indices(old: StateDict, new: StateDict) -> int:
+    """The extraction step alone: bitwise compare and changed positions of every tensor."""
+    return sum(int(torch.nonzero(bits(old[k]) != bits(new[k])).numel()) for k in sorted(new))
+
+
+def _same_bits(a: StateDict, b: StateDict) -> bool:
+    return all(torch.equal(bits(a[k]), bits(b[k])) for k in b)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    config = qwen3_config(args.shape)
+    batch, seq = args.batch or _BATCH[args.shape][0], args.seq or _BATCH[args.shape][1]
+    model = Qwen3ForCausalLM(config).to(device)  # fp32 master weights
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.1)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+
+    def published() -> StateDict:  # named_parameters: tied embeddings appear once
+        return {name: p.detach().to(torch.bfloat16) for name, p in model.named_parameters()}
+
+    base = published()
+    dense_bytes = sum(t.numel() * t.element_size() for t in base.values())
+    params = sum(t.numel() for t in base.values())
+    print(f"shape {args.shape}: {params / 1e6:.1f}M params, {dense_bytes / 1e6:.1f} MB bf16, device {device}")
+    save_dir = Path(args.save_patches) if args.save_patches else None
+    if save_dir:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        (save_dir / "base.safetensors").write_bytes(save_snapshot(base, run=args.run, version=0))
+    replica = {k: v.clone() for k, v in base.items()}
+    old = base
+    steps: list[dict[str, Any]] = []
+    patches: list[bytes] = []
+    union: list[dict[str, Any]] = []
+    for step in range(args.steps):
+        tokens = text_like_tokens(config.vocab_size, batch * seq, rng).view(batch, seq).to(device)
+        with autocast:
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        loss = loss.detach()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        new = published()
+
+        changed, extract_s = timed(device, lambda o=old, n=new: _extract_indices(o, n))
+        base_fp, _ = timed(device, lambda o=old: fingerprint(o))
+        target_fp, fingerprint_s = timed(device, lambda n=new: fingerprint(n))
+        version = dict(run=args.run, base_version=step, target_version=step + 1,
+                       base_fingerprint=base_fp, target_fingerprint=target_fp)
+        patch, extract_encode_s = timed(device, lambda o=old, n=new, v=version: extract_patch(o, n, **v))
+        sizes = {e: len(extract_patch(old, new, encoding=e, **version)) for e in ("values", "bitdelta")}
+        pulse = pulse_baseline_bytes(old, new)
+        header = parse_patch(patch)
+        _, decode_s = timed(device, lambda p=patch, h=header: decode_patch(p, h, replica))
+        _, apply_s = timed(device, lambda p=patch: apply_patch(replica, p))
+        bit_exact = _same_bits(replica, new) and fingerprint(replica) == target_fp
+        record = {
+            "step": step + 1, "loss": round(loss.item(), 4), "changed": changed,
+            "changed_fraction": changed / params, "dense_bf16_bytes": dense_bytes,
+            "values_bytes": sizes["values"], "bitdelta_bytes": sizes["bitdelta"], "auto_bytes": len(patch),
+            "auto_header_bytes": header.header_bytes, "pulse_bytes": pulse,
+            "bitdelta_over_pulse": sizes["bitdelta"] / pulse, "dense_over_auto": dense_bytes / len(patch),
+            "bit_exact": bit_exact, "extract_s": extract_s, "fingerprint_s": fingerprint_s,
+            "encode_s": max(0.0, extract_encode_s - extract_s), "extract_encode_s": extract_encode_s,
+            "decode_s": decode_s, "apply_s": apply_s,
+        }
+        steps.append(record)
+        patches.append(patch)
+        if save_dir:
+            (save_dir / f"patch-{step + 1:06d}.bin").write_bytes(patch)
+        print(f"step {step + 1}: changed {record['changed_fraction']:.3%} values {sizes['values'] / 1e6:.2f} MB "
+              f"bitdelta {sizes['bitdelta'] / 1e6:.2f} MB pulse {pulse / 1e6:.2f} MB "
+              f"(x{record['bitdelta_over_pulse']:.2f}) exact {bit_exact} extract {extract_s * 1e3:.1f} ms "
+              f"fp {fingerprint_s * 1e3:.1f} ms encode {record['encode_s']:.3f} s apply {apply_s:.3f} s")
+        if step + 1 in _MERGE_K:
+            union.append(_union_record(base, new, patches, device, args.merge))
+            print(f"  union of {step + 1} steps: {union[-1]['changed_fraction']:.3%} changed")
+        old = new
+    if save_dir:
+        manifest = {"run": args.run, "shape": args.shape, "base": "base.safetensors",
+                    "patches": [f"patch-{s['step']:06d}.bin" for s in steps]}
+        (save_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return _report(args, device, params, dense_bytes, batch, seq, steps, union)
+
+
+def _union_record(base: StateDict, new: StateDict, patches: list[bytes], device: torch.device, merge: bool) -> dict[str, Any]:
+    k = len(patches)
+    changed = _extract_indices(base, new)
+    record: dict[str, Any] = {
+        "k": k, "changed": changed, "changed_fraction": changed / sum(t.numel() for t in new.values()),
+        "sum_of_step_patch_bytes": sum(len(p) for p in patches),
+    }
+    if merge:
+        merged, merge_s = timed(device, lambda: merge_patches(patches, base))
+        replica = {name: t.clone() for name, t in base.items()}
+        apply_patch(replica, merged)
+        record.update(merged_bytes=len(merged), merge_s=merge_s, merged_changed=read_header(merged).changed,
+                      merged_bit_exact=_same_bits(replica, new))
+    return record
+
+
+def _report(args, device, params, dense_bytes, batch, seq, steps, union) -> dict[str, Any]:
+    warm = steps[1:] or steps  # the first step also pays for allocator and thread-pool warm-up
+
+    def med(key: str) -> float:
+        return statistics.median(s[key] for s in warm)
+
+    ratio = statistics.mean(s["bitdelta_over_pulse"] for s in steps)
+    extract_fp = statistics.median(s["extract_s"] + s["fingerprint_s"] for s in warm)
+    summary = {
+        "mean_changed_fraction": statistics.mean(s["changed_fraction"] for s in steps),
+        "mean_bitdelta_over_pulse": ratio,
+        "mean_values_over_pulse": statistics.mean(s["values_bytes"] / s["pulse_bytes"] for s in steps),
+        "mean_dense_over_auto": statistics.mean(s["dense_over_auto"] for s in steps),
+        "all_bit_exact": all(s["bit_exact"] for s in steps) and all(u.get("merged_bit_exact", True) for u in union),
+        "median_extract_s": med("extract_s"), "median_fingerprint_s": med("fingerprint_s"),
+        "median_extract_plus_fingerprint_s": extract_fp, "median_extract_encode_s": med("extract_encode_s"),
+        "median_decode_s": med("decode_s"), "median_apply_s": med("apply_s"),
+    }
+    targets = {
+        "bitdelta_le_half_pulse": ratio <= 0.5,
+        "extract_plus_fingerprint_le_30ms": extract_fp <= 0.030,
+        "extract_encode_le_1s": summary["median_extract_encode_s"] <= 1.0,
+        "apply_le_0_5s": summary["median_apply_s"] <= 0.5,
+        "note": "timing targets are stated for the 1.7b shape on an H100-class GPU",
+    }
+    return {
+        "bench": "patch", "device": device.type, "device_name": _device_name(device), "shape": args.shape,
+        "params": params, "dense_bf16_bytes": dense_bytes, "steps": args.steps, "lr": args.lr, "batch": batch,
+        "seq": seq, "seed": args.seed, "torch": torch.__version__, "per_step": steps, "union": union,
+        "summary": summary, "targets": targets,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="small", choices=["tiny", "small", "0.6b", "1.7b"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--batch", type=int, default=0, help="default per shape")
+    parser.add_argument("--seq", type=int, default=0, help="default per shape")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--run", default="bench")
+    parser.add_argument("--no-merge", dest="merge", action="store_false", help="skip merge_patches for k=2,4,8")
+    parser.add_argument("--save-patches", metavar="DIR", help="write base.safetensors + patch-NNNNNN.bin here")
+    parser.add_argument("--out", help="JSON path (default bench/results/patch-<device>.json)")
+    args = parser.parse_args()
+    if args.device == "cpu":
+        torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    result = run(args)
+    out = Path(args.out or f"bench/results/patch-{torch.device(args.device).type}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["summary"], indent=1))
+    print(json.dumps(result["targets"], indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
