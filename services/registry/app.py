@@ -6,7 +6,6 @@ import hmac
 import json
 import logging
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -18,6 +17,8 @@ from shared.registry_client import METRICS_HEADER, Manifest, Plan
 from shared.storage import ObjectStorage
 
 log = logging.getLogger(__name__)
+
+SMALL_READ_BYTES = 16 << 20  # ranges up to this are read at once; larger ones are streamed
 
 
 def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage | None = None) -> FastAPI:
@@ -102,19 +103,19 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
         return await registry.plan(run, from_version, to_version)
 
     @app.get("/v1/runs/{run}/objects/{key:path}")
-    async def get_object(run: str, key: str, request: Request) -> StreamingResponse:
+    async def get_object(run: str, key: str, request: Request) -> Response:
         store_key, start, end, size, partial = await registry.object_range(run, key, request.headers.get("range"))
-
-        async def body() -> Any:
-            async for chunk in storage.stream(store_key, start, end):
-                registry.metrics.bytes_served.inc(len(chunk))
-                yield chunk
-
         headers = {"Accept-Ranges": "bytes", "Content-Length": str(end - start)}
         if partial:
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+        status = 206 if partial else 200
+        registry.metrics.bytes_served.inc(end - start)
+        if end - start <= SMALL_READ_BYTES:  # a piece: one read beats a stream's per-chunk hops
+            data = await storage.get_range(store_key, start, end)
+            return Response(data, status_code=status, headers=headers, media_type="application/octet-stream")
         return StreamingResponse(
-            body(), status_code=206 if partial else 200, headers=headers, media_type="application/octet-stream"
+            storage.stream(store_key, start, end), status_code=status, headers=headers,
+            media_type="application/octet-stream",
         )
 
     @app.put("/v1/runs/{run}/patches/{version}", dependencies=[Depends(require_token)])
