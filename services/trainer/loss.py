@@ -1,0 +1,173 @@
+"""GRPO with Sparse-RL corrections: advantages, rejection sampling / reweighting, PPO-clip loss.
+
+Pure torch, no model code. Shapes: B sequences × L token positions; every per-token tensor is
+aligned with the sequence tokens and `mask` marks completion tokens (1) vs prompt/padding (0).
+
+The three log-probs per token (source: Sparse-RL, arXiv 2601.10079, `mis.py`; see
+../../docs/training.md):
+  logp_sampler    what the rollout engine sampled from, with its compressed KV cache
+  logp_old_dense  the same policy version recomputed by the trainer with the full (dense) cache
+  logp_new        the policy being optimised (requires grad)
+
+ξ_t = π_old_dense/π_sampler corrects the off-policy gap that KV compression creates; the PPO ratio
+π_θ/π_old_dense is kept separate from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel, Field
+
+
+class CorrectionConfig(BaseModel):
+    """Sparse-RL correction switches and constants (defaults: Sparse-RL `mis.py`)."""
+
+    log_ratio_clamp: float = Field(20.0, gt=0, description="clamp of log ξ before exp")
+    sequence_veto: bool = True
+    veto_threshold: float = Field(1e-4, ge=0, description="drop a sequence if any token's ξ is below")
+    token_mask: bool = True
+    mask_low: float = 0.5
+    mask_high: float = 1.5
+    token_weight: bool = True
+    weight_cap: float = Field(1.5, gt=0, description="w = min(ξ, cap)")
+    normalize_weights: bool = True  # rescale w to mean 1 over surviving tokens of the batch
+
+
+class LossConfig(BaseModel):
+    clip_eps: float = Field(0.2, ge=0)
+    kl_coef: float = Field(0.0, ge=0, description="weight of the k3 KL to the reference policy")
+    corrections: CorrectionConfig = Field(default_factory=CorrectionConfig)
+
+
+@dataclass(frozen=True)
+class Corrections:
+    xi: torch.Tensor  # [B, L] fp32, ξ on completion tokens, 1 elsewhere
+    keep_seq: torch.Tensor  # [B] bool, survived the veto
+    keep_token: torch.Tensor  # [B, L] bool, completion token of a kept sequence inside the band
+    weight: torch.Tensor  # [B, L] fp32, 0 on dropped tokens; mean 1 over kept tokens when normalised
+    metrics: dict[str, float]
+
+    def rows(self, rows: slice) -> Corrections:
+        """The corrections of a micro-batch of sequences; weights keep their batch-wide normalisation."""
+        return Corrections(xi=self.xi[rows], keep_seq=self.keep_seq[rows], keep_token=self.keep_token[rows],
+                           weight=self.weight[rows], metrics=self.metrics)
+
+
+def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """(r − mean_group) / (std_group + eps), std unbiased (n − 1) as in DeepSeekMath/TRL.
+
+    Groups of one sample or with identical rewards carry no learning signal: their advantage is 0.
+    `group_ids` are any integer labels; groups may have different sizes.
+    """
+    rewards = rewards.float()
+    if rewards.numel() == 0:
+        return rewards.clone()
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    groups = int(inverse.max()) + 1
+    count = torch.zeros(groups).index_add_(0, inverse, torch.ones_like(rewards))
+    mean = torch.zeros(groups).index_add_(0, inverse, rewards) / count
+    centered = rewards - mean[inverse]
+    sq = torch.zeros(groups).index_add_(0, inverse, centered.square())
+    std = (sq / (count - 1).clamp(min=1)).sqrt()
+    adv = centered / (std[inverse] + eps)
+    return torch.where(std[inverse] > eps, adv, torch.zeros_like(adv))
+
+
+def _safe_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    n = mask.sum()
+    return float((values * mask).sum() / n) if n > 0 else 0.0
+
+
+def sparse_rl_corrections(
+    logp_old_dense: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, cfg: CorrectionConfig
+) -> Corrections:
+    """Sequence veto, token mask and token weights from ξ_t = exp(clamp(logp_old_dense − logp_sampler)).
+
+    Metrics: `rejection_rate` (vetoed / sequences), `token_mask_rate` (masked / completion tokens of
+    kept sequences), `xi_mean` (over all completion tokens), `kl_old_sampler` (KL(π_old_dense ‖
+    π_sampler) per token, estimated from the sampler's tokens as mean of ξ·log ξ − ξ + 1: unbiased,
+    since E_sampler[ξ log ξ] = KL and E_sampler[ξ − 1] = 0, and never negative).
+    """
+    mask = mask.bool()
+    log_xi = (logp_old_dense.detach().float() - logp_sampler.detach().float())
+    log_xi = torch.nan_to_num(log_xi, nan=0.0).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+    log_xi = torch.where(mask, log_xi, torch.zeros_like(log_xi))
+    xi = log_xi.exp()
+
+    has_tokens = mask.any(dim=1)
+    keep_seq = has_tokens
+    if cfg.sequence_veto:
+        keep_seq = keep_seq & ~((xi < cfg.veto_threshold) & mask).any(dim=1)
+    in_seq = mask & keep_seq[:, None]
+    keep_token = in_seq
+    if cfg.token_mask:
+        keep_token = keep_token & (xi >= cfg.mask_low) & (xi <= cfg.mask_high)
+
+    weight = keep_token.float()
+    if cfg.token_weight:
+        weight = weight * xi.clamp(max=cfg.weight_cap)
+        if cfg.normalize_weights and keep_token.any():
+            weight = weight / weight[keep_token].mean()
+
+    n_seq = int(has_tokens.sum())
+    metrics = {
+        "rejection_rate": float((has_tokens & ~keep_seq).sum()) / n_seq if n_seq else 0.0,
+        "token_mask_rate": 1.0 - float(keep_token.sum()) / float(in_seq.sum()) if in_seq.any() else 0.0,
+        "xi_mean": _safe_mean(xi, mask),
+        "kl_old_sampler": _safe_mean(xi * log_xi - xi + 1.0, mask),
+        "kept_tokens": float(keep_token.sum()),
+    }
+    return Corrections(xi=xi, keep_seq=keep_seq, keep_token=keep_token, weight=weight, metrics=metrics)
+
+
+def grpo_loss(
+    logp_new: torch.Tensor,
+    logp_old_dense: torch.Tensor,
+    logp_sampler: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: LossConfig,
+    logp_ref: torch.Tensor | None = None,
+    corrections: Corrections | None = None,
+    normalizer: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token-level PPO-clip GRPO loss × Sparse-RL weights, averaged over surviving tokens.
+
+    per token:  ℓ_t = −min(r_t A, clip(r_t, 1 ± ε) A) + β·k3_t,   r_t = π_θ/π_old_dense
+                k3_t = exp(logp_ref − logp_new) − (logp_ref − logp_new) − 1   (Schulman's low-var KL)
+    loss = Σ w_t ℓ_t / N_kept   (w_t ≡ 1 on kept tokens with reweighting off)
+
+    With every switch off this is plain token-mean GRPO. When no token survives, the loss is an
+    exact 0 that still depends on `logp_new`, so `backward()` works and leaves zero gradients.
+
+    Micro-batching: compute `corrections` once over the whole batch (`sparse_rl_corrections`), pass
+    each micro-batch its `corrections.rows(...)` and the batch's kept-token count as `normalizer`;
+    the summed micro-batch losses then equal the loss of the whole batch.
+    """
+    corr = corrections or sparse_rl_corrections(logp_old_dense, logp_sampler, mask, cfg.corrections)
+    keep = corr.keep_token
+    logp_new = logp_new.float()
+    # Zero the log-ratio on dropped positions before exp: padding may hold any value (even inf).
+    log_ratio = torch.where(keep, logp_new - logp_old_dense.detach().float(), torch.zeros_like(logp_new))
+    ratio = log_ratio.exp()
+    adv = advantages.float()[:, None]
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps) * adv
+    per_token = -torch.minimum(unclipped, clipped)
+
+    metrics = dict(corr.metrics)
+    if logp_ref is not None:
+        ref_diff = torch.where(keep, logp_ref.detach().float() - logp_new, torch.zeros_like(logp_new))
+        k3 = ref_diff.exp() - ref_diff - 1.0
+        metrics["kl_ref"] = _safe_mean(k3.detach(), keep)
+        if cfg.kl_coef:
+            per_token = per_token + cfg.kl_coef * k3
+
+    n_kept = keep.sum() if normalizer is None else torch.as_tensor(normalizer)
+    loss = (per_token * corr.weight).sum() / n_kept.clamp(min=1)
+    metrics["clip_fraction"] = _safe_mean(((ratio - 1.0).abs() > cfg.clip_eps).float().detach(), keep)
+    metrics["ratio_mean"] = _safe_mean(ratio.detach(), keep)
+    metrics["loss"] = float(loss.detach())
+    return loss, metrics

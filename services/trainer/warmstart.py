@@ -1,0 +1,251 @@
+"""Warm start: build the tiny demo model and teach it the built-in tasks by SFT, to partial accuracy.
+
+RL on a randomly initialised model learns nothing in minutes: rewards are all zero, so every
+GRPO group has zero variance. A short supervised pass on reference completions gets the model to
+*partial* accuracy (short additions right, long ones often wrong), which leaves RL visible room.
+
+    python -m services.trainer.warmstart --out DIR [--steps N] [--seed S]
+
+Deterministic: fixed seeds, fixed thread count, deterministic algorithms, fp32 training; the saved
+bf16 weights are byte-identical across runs on the same machine and torch build. The result is
+cached by `ensure_warmstart_model(cache_dir)`, keyed by a hash of the whole recipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from shared.modeling import qwen3_config
+from shared.tasks import Task, get_task
+from shared.tokenizer import build_tokenizer, char_vocab
+
+# Bump when the training code changes in a way the recipe fields do not capture.
+RECIPE_VERSION = 1
+STAMP_FILE = "warmstart.stamp"
+REPORT_FILE = "warmstart.json"
+
+
+class WarmstartRecipe(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    seed: int = 0
+    steps: int = 400
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    threads: int = 2
+    # Share of SFT examples per task; addition dominates because it is the RL demo task.
+    task_mix: dict[str, float] = Field(default_factory=lambda: {"addition": 0.8, "sorting": 0.1, "countdown": 0.1})
+    task_options: dict[str, dict[str, int]] = Field(default_factory=lambda: {"addition": {"min_digits": 4, "max_digits": 10}})
+    # Model: shared.modeling's "tiny" Qwen3 shape with the char vocab; `model_overrides` shrink it
+    # further so SFT fits the two-minute CPU budget.
+    shape: str = "tiny"
+    model_overrides: dict[str, int] = Field(
+        default_factory=lambda: {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 3,
+                                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
+    )
+    eval_prompts: int = 128
+
+    def fingerprint(self) -> str:
+        """Hash of everything that determines the weights: recipe, vocab, code version."""
+        blob = json.dumps(
+            {"recipe": self.model_dump(), "vocab": char_vocab(), "version": RECIPE_VERSION,
+             "torch": torch.__version__.split("+")[0]},
+            sort_keys=True,
+        )
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def build_model_config(recipe: WarmstartRecipe, tokenizer: PreTrainedTokenizerFast) -> Qwen3Config:
+    config = qwen3_config(recipe.shape)
+    for key, value in recipe.model_overrides.items():
+        setattr(config, key, value)
+    config.vocab_size = len(tokenizer)
+    config.bos_token_id = tokenizer.bos_token_id
+    config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    config.max_position_embeddings = 512
+    return config
+
+
+def _seed_everything(recipe: WarmstartRecipe) -> None:
+    random.seed(recipe.seed)
+    torch.manual_seed(recipe.seed)
+    torch.set_num_threads(recipe.threads)
+    torch.use_deterministic_algorithms(True)
+
+
+def _sft_batch(examples: list[tuple[str, str]], tokenizer: PreTrainedTokenizerFast) -> dict[str, torch.Tensor]:
+    """Right-padded BOS+prompt+completion+EOS; labels only on completion and EOS."""
+    rows, labels = [], []
+    for prompt, completion in examples:
+        p = tokenizer(prompt)["input_ids"]  # starts with BOS
+        c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append(p + c)
+        labels.append([-100] * len(p) + c)
+    width = max(map(len, rows))
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+    label_ids = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])
+    return {"input_ids": input_ids, "attention_mask": (input_ids != pad).long(), "labels": label_ids}
+
+
+def _sample_examples(tasks: dict[str, Task], mix: dict[str, float], n: int, rng: random.Random) -> list[tuple[str, str]]:
+    names = sorted(mix)
+    chosen = rng.choices(names, weights=[mix[k] for k in names], k=n)
+    out = []
+    for name in chosen:
+        prompt, answer = tasks[name].make_prompts(1, rng.getrandbits(63))[0]
+        out.append((prompt, tasks[name].demonstration(prompt, answer)))
+    return out
+
+
+@torch.no_grad()
+def evaluate(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, task: Task, n: int, seed: int,
+             batch_size: int = 64) -> dict[str, float]:
+    """Greedy accuracy and mean reward of `model` on `n` fresh prompts of `task`."""
+    model.eval()
+    prompts = task.make_prompts(n, seed)
+    rewards, correct = [], []
+    tokenizer.padding_side = "left"
+    for start in range(0, n, batch_size):
+        chunk = prompts[start : start + batch_size]
+        enc = tokenizer([p for p, _ in chunk], return_tensors="pt", padding=True)
+        out = model.generate(**enc, do_sample=False, max_new_tokens=task.max_new_tokens,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        for text, (_, answer) in zip(texts, chunk, strict=True):
+            r, ok = task.reward(text, answer)
+            rewards.append(r)
+            correct.append(ok)
+    tokenizer.padding_side = "right"
+    return {"accuracy": sum(correct) / n, "mean_reward": sum(rewards) / n}
+
+
+def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: int = 50) -> dict:
+    """Train from scratch and write a HF model dir (bf16) to `out_dir`; returns the report."""
+    started = time.perf_counter()
+    _seed_everything(recipe)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    config = build_model_config(recipe, tokenizer)
+    model = Qwen3ForCausalLM(config).float()
+    tasks = {name: get_task(name, **recipe.task_options.get(name, {})) for name in recipe.task_mix}
+    rng = random.Random(recipe.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.98),
+                                  weight_decay=recipe.weight_decay)
+
+    def lr_at(step: int) -> float:
+        if step < recipe.warmup_steps:
+            return recipe.lr * (step + 1) / recipe.warmup_steps
+        progress = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
+        return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    model.train()
+    losses = []
+    for step in range(recipe.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        batch = _sft_batch(_sample_examples(tasks, recipe.task_mix, recipe.batch_size, rng), tokenizer)
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if log_every and (step + 1) % log_every == 0:
+            print(f"warmstart step {step + 1}/{recipe.steps} loss {sum(losses[-log_every:]) / log_every:.4f} "
+                  f"{time.perf_counter() - started:.0f}s cpu {time.process_time():.0f}s", flush=True)
+    train_s = time.perf_counter() - started
+
+    model = model.to(torch.bfloat16)
+    metrics = {}
+    if recipe.eval_prompts:
+        metrics = {name: evaluate(model, tokenizer, tasks[name], recipe.eval_prompts, seed=recipe.seed + 1_000_003)
+                   for name in sorted(tasks)}
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+    )
+    model.config.dtype = torch.bfloat16
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    report = {
+        "recipe": recipe.model_dump(), "recipe_hash": recipe.fingerprint(),
+        "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
+        "train_seconds": round(train_s, 1), "total_seconds": round(time.perf_counter() - started, 1),
+        "threads": recipe.threads, "eval": metrics,
+    }
+    (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    (out_dir / STAMP_FILE).write_text(recipe.fingerprint() + "\n")
+    return report
+
+
+def is_current(model_dir: Path, recipe: WarmstartRecipe) -> bool:
+    stamp = model_dir / STAMP_FILE
+    return stamp.is_file() and stamp.read_text().strip() == recipe.fingerprint()
+
+
+def ensure_warmstart_model(cache_dir: str | Path, recipe: WarmstartRecipe | None = None) -> Path:
+    """The warm-started model dir under `cache_dir`, trained only if no current one is cached.
+
+    Concurrent callers may both train; each writes a private temp dir and renames it into place, so
+    readers only ever see a complete directory.
+    """
+    recipe = recipe or WarmstartRecipe()
+    cache_dir = Path(cache_dir)
+    target = cache_dir / f"warmstart-{recipe.fingerprint()[:16]}"
+    if is_current(target, recipe):
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".warmstart-", dir=cache_dir))
+    try:
+        train_warmstart(recipe, tmp)
+        if target.exists() and not is_current(target, recipe):
+            shutil.rmtree(target)  # a partial or stale dir under the current name
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not is_current(target, recipe):  # lost a race to a writer that left garbage
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="model directory to write (HF format, bf16)")
+    defaults = WarmstartRecipe()
+    parser.add_argument("--steps", type=int, default=defaults.steps)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--threads", type=int, default=defaults.threads)
+    parser.add_argument("--eval-prompts", type=int, default=defaults.eval_prompts)
+    parser.add_argument("--log-every", type=int, default=50)
+    args = parser.parse_args(argv)
+    recipe = WarmstartRecipe(steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
+                             threads=args.threads, eval_prompts=args.eval_prompts)
+    report = train_warmstart(recipe, args.out, log_every=args.log_every)
+    print(json.dumps({k: report[k] for k in ("final_loss", "train_seconds", "total_seconds", "eval")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
