@@ -9,6 +9,7 @@ rollout and for nothing else.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 import shutil
@@ -30,12 +31,17 @@ SERVICES = {"registry": 8100, "trainer": 8000, "rollout": 8200}
 def kubectl_kustomize(overlay: str) -> list[dict]:
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl is not installed")
+    return [doc for doc in yaml.safe_load_all(_render_overlay(overlay)) if doc]
+
+
+@functools.cache
+def _render_overlay(overlay: str) -> str:
     rendered = subprocess.run(
         ["kubectl", "kustomize", str(KUSTOMIZE / "overlays" / overlay)],
         capture_output=True, text=True, timeout=60,
     )
     assert rendered.returncode == 0, rendered.stderr
-    return [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
+    return rendered.stdout
 
 
 def helm(*args: str) -> subprocess.CompletedProcess[str]:
