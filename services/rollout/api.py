@@ -107,5 +107,6 @@ class WeightsInfo(BaseModel):
     sync_state: str
     last_error: str | None
     last_sync: dict[str, Any]
+    history: list[dict[str, Any]]
     engine: str
     registry_url: str | None

@@ -204,9 +204,10 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
 
     @app.get("/v1/weights", response_model=WeightsInfo)
     async def weights(core: RolloutCore = Depends(get_core)) -> WeightsInfo:
-        w = core.weights
+        w, sync = core.weights, state["sync"]
         return WeightsInfo(version=w.version, fingerprint=w.fingerprint, sync_state=w.sync_state,
                            last_error=w.last_error, last_sync=w.last_sync, engine=core.engine.name,
+                           history=list(sync.history) if sync else [],
                            registry_url=settings.registry_url or None)
 
     @app.get("/healthz")

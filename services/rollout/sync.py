@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from pathlib import Path
 
 import httpx
@@ -57,6 +58,8 @@ class WeightSync:
         self.failures = 0
         self.bytes = 0
         self.download_mbps = 0.0
+        # The last syncs (version reached, fingerprint, path, bytes, seconds): shown on /v1/weights.
+        self.history: deque[dict] = deque(maxlen=256)
 
     async def run(self, stop: asyncio.Event) -> None:
         backoff = self.poll_s
@@ -80,6 +83,7 @@ class WeightSync:
         if plan.kind == "none" or plan.to_version == weights.version:
             return weights.version
         weights.sync_state = "downloading"
+        fallbacks_before = self.fallbacks
         try:
             try:
                 version = await self._follow(plan)
@@ -96,8 +100,10 @@ class WeightSync:
         self.bytes += plan.total_bytes
         self.download_mbps = plan.total_bytes * 8 / 1e6 / max(seconds, 1e-6)
         weights.sync_state, weights.last_error = "idle", None
-        weights.last_sync = {"from": plan.from_version, "to": version, "path": plan.kind,
-                             "bytes": plan.total_bytes, "seconds": round(seconds, 4)}
+        weights.last_sync = {"from": plan.from_version, "to": version, "fingerprint": weights.fingerprint,
+                             "path": plan.kind, "bytes": plan.total_bytes, "seconds": round(seconds, 4),
+                             "fell_back": self.fallbacks > fallbacks_before}
+        self.history.append(weights.last_sync)
         log.info("weights now at version %d (%s, %d bytes, %.2fs)", version, plan.kind, plan.total_bytes, seconds)
         return version
 
