@@ -176,12 +176,29 @@ class Coordinator:
         """Publish the trajectory and finish the lease atomically. True when this result is the
         one counted for the group; False when the group was already completed (or dead-lettered).
         """
+        await self.setup()
+        result = await self._scripts["COMPLETE"](**self._complete_call(lease, trajectory))
+        return int(result) == 1
+
+    async def complete_many(self, items: Sequence[tuple[Lease, Trajectory]]) -> list[bool]:
+        """complete() for a batch that finished together (one engine.generate over the claimed
+        groups), in one round trip. Each completion is still its own atomic script."""
+        if not items:
+            return []
+        await self.setup()
+        calls = [self._complete_call(lease, trajectory) for lease, trajectory in items]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for call in calls:
+                await self._scripts["COMPLETE"](**call, client=pipe)
+            results = await pipe.execute()
+        return [int(r) == 1 for r in results]
+
+    def _complete_call(self, lease: Lease, trajectory: Trajectory) -> dict[str, list[Any]]:
         if trajectory.group_id != lease.group_id:
             raise ValueError(f"trajectory is for group {trajectory.group_id!r}, lease for {lease.group_id!r}")
-        await self.setup()
-        result = await self._scripts["COMPLETE"](
-            keys=[self.keys.prompts, self.keys.completed, self.keys.trajectories, self.keys.stats],
-            args=[
+        return {
+            "keys": [self.keys.prompts, self.keys.completed, self.keys.trajectories, self.keys.stats],
+            "args": [
                 self.settings.consumer_group,
                 lease.worker_id,
                 lease.entry_id,
@@ -189,8 +206,7 @@ class Coordinator:
                 lease.group_id,
                 trajectory.model_dump_json(),
             ],
-        )
-        return int(result) == 1
+        }
 
     async def dead_letters(self, count: int = 100) -> list[dict[str, str]]:
         """The oldest dead-letter entries, each with entry_id, group (raw payload), reason, ..."""

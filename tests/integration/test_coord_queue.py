@@ -186,3 +186,16 @@ async def test_blocking_claim_wakes_on_enqueue(make_coord: CoordFactory) -> None
     leases = await asyncio.wait_for(waiter, 5)
     assert [lease.group_id for lease in leases] == ["g0", "g1"]
     assert (await coord.stats())["claimed"] == 2
+
+
+async def test_complete_many_counts_each_group_once(make_coord: CoordFactory) -> None:
+    coord = make_coord()
+    await coord.enqueue(groups(3))
+    leases = await coord.claim("w1", 3)
+    assert await coord.complete(leases[1], trajectory(leases[1]))
+    results = await coord.complete_many([(lease, trajectory(lease)) for lease in leases])
+    assert results == [True, False, True]
+    assert [t.group_id for t in await coord.next_trajectories(10)] == ["g1", "g0", "g2"]
+    with pytest.raises(ValueError):
+        await coord.complete_many([(leases[0], trajectory(leases[2]))])
+    assert (await coord.stats())["completions"] == 3
