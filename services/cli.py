@@ -1,0 +1,407 @@
+"""The `sparsecast` command: run the local demo, submit prompts, inspect a running stack.
+
+Talks to the services' REST APIs only (docs/cli.md). Exit codes scripts can rely on:
+0 ok, 1 the service could not be reached or answered with an error, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+console = Console(highlight=False)
+errors = Console(stderr=True, highlight=False)
+
+
+class CLIError(Exception):
+    """The service was unreachable or refused the request (exit 1)."""
+
+
+class UsageError(Exception):
+    """The command line makes no sense (exit 2)."""
+
+
+# -- talking to the services --
+
+
+class Service:
+    """A REST endpoint of one service; every failure becomes a CLIError naming the service."""
+
+    def __init__(self, name: str, url: str, token: str | None, timeout: float) -> None:
+        self.name, self.url = name, url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+    def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = self.client.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise CLIError(f"cannot reach the {self.name} at {self.url}: {exc}") from exc
+        if response.status_code >= 400:
+            try:
+                detail = response.json().get("detail", response.text)
+            except ValueError:
+                detail = response.text
+            raise CLIError(f"the {self.name} answered {response.status_code} to {method} {path}: {detail}")
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise CLIError(f"the {self.name} sent a non-JSON answer to {method} {path}") from exc
+
+
+def trainer(args: argparse.Namespace) -> Service:
+    return Service("trainer", args.trainer_url, args.token, args.timeout)
+
+
+# -- formatting --
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def pct(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def num(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def step_summary(row: dict[str, Any]) -> str:
+    """One line about a training step (a /v1/metrics/history row)."""
+    return (f"step {row.get('step')} → v{row.get('version')}: reward {num(row.get('reward_mean'))}, "
+            f"accuracy {pct(row.get('accuracy'))}, patch {human_bytes(row.get('patch_bytes'))} vs "
+            f"{human_bytes(row.get('dense_bytes'))} dense ({num(row.get('payload_ratio'), 0)}x), "
+            f"changed {pct(row.get('changed_fraction'), 2)}, KV saved {pct(row.get('kv_saved'))}, "
+            f"rejected {pct(row.get('rejection_rate'))}, masked {pct(row.get('token_mask_rate'))}")
+
+
+def workers_table(workers: list[dict[str, Any]], trainer_version: int | None) -> Table:
+    table = Table(title="rollout workers", title_justify="left")
+    for column in ("worker", "engine", "KV policy", "version", "lag", "leases", "tokens/s", "download", "url"):
+        table.add_column(column, justify="right" if column in ("version", "lag", "leases", "tokens/s") else "left")
+    now = time.time()
+    for w in sorted(workers, key=lambda w: w["worker_id"]):
+        policy = w["kv_policy"] + (f"@{w['kv_budget']}" if w.get("kv_budget") else "")
+        lag = "-" if trainer_version is None else str(max(0, trainer_version - w["weight_version"]))
+        seen = now - w.get("updated_at", now)
+        worker = w["worker_id"] + (f" (seen {seen:.0f}s ago)" if seen > 10 else "")
+        table.add_row(worker, w["engine"], policy, f"v{w['weight_version']}", lag, str(w["leases"]),
+                      f"{w['tokens_per_s']:.0f}", f"{w['download_mbps']:.1f} Mbit/s", w.get("url") or "-")
+    return table
+
+
+def versions_table(rows: list[dict[str, Any]], limit: int) -> Table:
+    table = Table(title="published versions", title_justify="left")
+    for column in ("version", "from", "patch", "snapshot", "dense", "smaller", "changed", "reward", "accuracy"):
+        table.add_column(column, justify="right")
+    for row in rows[-limit:] if limit else rows:
+        metrics = row.get("metrics") or {}
+        table.add_row(f"v{row['version']}", "-" if row.get("base_version") is None else f"v{row['base_version']}",
+                      human_bytes(row.get("patch_bytes")), human_bytes(row.get("snapshot_bytes")),
+                      human_bytes(row.get("dense_bytes")),
+                      "-" if row.get("payload_ratio") is None else f"{row['payload_ratio']:.0f}x",
+                      pct(row.get("changed_fraction"), 2), num(metrics.get("reward_mean")),
+                      pct(metrics.get("accuracy")))
+    return table
+
+
+def registry_version_row(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A registry manifest in the shape of the trainer's /v1/versions rows."""
+    patch, snapshot = manifest.get("patch"), manifest.get("snapshot")
+    row = {k: v for k, v in manifest.items() if k not in ("patch", "snapshot")}
+    return row | {
+        "patch_bytes": patch["size"] if patch else None,
+        "snapshot_bytes": snapshot["size"] if snapshot else None,
+        "payload_ratio": manifest["dense_bytes"] / patch["size"] if patch else None,
+        "changed_fraction": (manifest.get("metrics") or {}).get("changed_fraction"),
+    }
+
+
+# -- commands --
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    status = trainer(args).request("GET", "/v1/status")
+    if args.json:
+        print_json(status)
+        return EXIT_OK
+    steps = f"{status['step']}/{status['max_steps']}" if status.get("max_steps") else str(status["step"])
+    version = "-" if status.get("version") is None else f"v{status['version']}"
+    console.print(f"[bold]run[/] {status['run']} · [bold]state[/] {status['state']}"
+                  f"{' (paused)' if status.get('paused') else ''} · [bold]step[/] {steps} · [bold]version[/] {version}")
+    if status.get("error"):
+        console.print(f"[red]error:[/] {escape(status['error'])}")
+    q = status.get("queue") or {}
+    console.print(f"queue: {q.get('prompts_queued', 0)} prompt groups waiting, {q.get('leases_pending', 0)} leased, "
+                  f"{q.get('trajectories_queued', 0)} trajectories waiting, {q.get('groups_completed', 0)} completed, "
+                  f"{q.get('dead_letter_depth', 0)} dead letters")
+    if status.get("last"):
+        console.print("last " + step_summary(status["last"]))
+    workers = status.get("workers") or []
+    if workers:
+        console.print(workers_table(workers, status.get("version")))
+    else:
+        console.print("no rollout workers registered")
+    return EXIT_OK
+
+
+def cmd_workers(args: argparse.Namespace) -> int:
+    status = trainer(args).request("GET", "/v1/status")
+    workers = status.get("workers") or []
+    if args.json:
+        print_json(workers)
+    elif workers:
+        console.print(workers_table(workers, status.get("version")))
+    else:
+        console.print("no rollout workers registered")
+    return EXIT_OK
+
+
+def cmd_versions(args: argparse.Namespace) -> int:
+    if args.registry_url:
+        registry = Service("registry", args.registry_url, args.token, args.timeout)
+        manifests = registry.request("GET", f"/v1/runs/{args.run}/versions")
+        run, rows = args.run, [registry_version_row(m) for m in manifests]
+    else:
+        answer = trainer(args).request("GET", "/v1/versions")
+        run, rows = answer["run"], answer["versions"]
+    rows.sort(key=lambda r: r["version"])
+    if args.json:
+        print_json({"run": run, "versions": rows})
+        return EXIT_OK
+    if not rows:
+        console.print(f"run {run!r} has no published versions yet")
+        return EXIT_OK
+    console.print(versions_table(rows, args.last))
+    patches = [r for r in rows if r.get("patch_bytes")]
+    if patches:
+        shipped = sum(r["patch_bytes"] for r in patches)
+        dense = sum(r["dense_bytes"] for r in patches)
+        console.print(f"{len(patches)} patches: {human_bytes(shipped)} shipped instead of {human_bytes(dense)} "
+                      f"of dense weights ({dense / shipped:.0f}x less)")
+    return EXIT_OK
+
+
+def _read_jsonl(path: str) -> bytes:
+    try:
+        raw = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from exc
+    for n, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), start=1):
+        if line.strip():
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UsageError(f"{path} line {n} is not JSON: {exc.msg}") from exc
+    return raw
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    sources = sum(bool(x) for x in (args.prompts, args.file, args.generate))
+    if sources != 1:
+        raise UsageError("give prompts as arguments, or --file JSONL, or --generate N (exactly one of them)")
+    if args.answer and len(args.answer) != len(args.prompts):
+        raise UsageError(f"{len(args.answer)} --answer for {len(args.prompts)} prompts: give one per prompt or none")
+    service = trainer(args)
+    if args.file:
+        params = {k: v for k, v in (("task", args.task), ("samples_per_prompt", args.samples)) if v is not None}
+        result = service.request("POST", "/v1/prompts", params=params, content=_read_jsonl(args.file),
+                                 headers={"Content-Type": "application/x-ndjson"})
+    else:
+        body: dict[str, Any] = {"task": args.task, "samples_per_prompt": args.samples}
+        if args.generate:
+            body["generate"] = {"count": args.generate, "seed": args.seed}
+        else:
+            answers = args.answer or [None] * len(args.prompts)
+            # The shell makes newlines awkward; task prompts end with one (e.g. "add 12+34\n").
+            body["prompts"] = [{"prompt": p.replace("\\n", "\n"), "answer": a}
+                               for p, a in zip(args.prompts, answers, strict=True)]
+        result = service.request("POST", "/v1/prompts", json=body)
+    if args.json:
+        print_json(result)
+    else:
+        console.print(f"queued {result['count']} prompt groups of task {result['task']!r}, "
+                      f"{result['samples_per_prompt']} samples each")
+    return EXIT_OK
+
+
+def list_benches() -> list[str]:
+    folder = REPO_ROOT / "bench"
+    return sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_"))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    names = list_benches()
+    if not args.name:
+        if args.json:
+            print_json(names)
+        else:
+            console.print("benchmarks: " + (", ".join(names) if names else "none found")
+                          + "\nrun one with: sparsecast bench NAME [ARGS...] (e.g. --device cuda)")
+        return EXIT_OK
+    if args.name not in names:
+        raise UsageError(f"unknown benchmark {args.name!r}; known: {', '.join(names) or 'none'}")
+    command = [sys.executable, "-m", f"bench.{args.name}", *args.bench_args]
+    errors.print(escape(f"running {' '.join(command[1:])} (results go to bench/results/)"))
+    code = subprocess.call(command, cwd=REPO_ROOT)
+    if code != 0:
+        raise CLIError(f"bench.{args.name} exited with status {code}")
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from services.demo import DemoOptions, run_demo
+
+    options = DemoOptions(
+        steps=args.steps, workers=args.workers, kv_policy=args.kv_policy, kv_budget=args.kv_budget,
+        groups_per_step=args.groups, samples_per_prompt=args.samples, keep_running=args.keep_running,
+        folder=Path(args.dir), model=args.model, lr=args.lr, token=args.token,
+    )
+    return run_demo(options)
+
+
+# -- the parser --
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    connection = argparse.ArgumentParser(add_help=False)
+    group = connection.add_argument_group("connection")
+    group.add_argument("--trainer-url", default=env("SPARSECAST_TRAINER_URL", "http://127.0.0.1:8000"),
+                       help="trainer REST API (env SPARSECAST_TRAINER_URL; default %(default)s)")
+    group.add_argument("--token", default=env("SPARSECAST_API_TOKEN") or None,
+                       help="bearer token for writes (env SPARSECAST_API_TOKEN)")
+    group.add_argument("--timeout", type=float, default=10.0, help="seconds per request (default %(default)s)")
+    output = argparse.ArgumentParser(add_help=False)
+    output.add_argument("--json", action="store_true", help="print the API's answer as JSON (for scripts)")
+
+    parser = argparse.ArgumentParser(
+        prog="sparsecast",
+        description="sparsecast: RL post-training with sparse-KV rollouts and sparse weight patches.",
+        epilog="Exit status: 0 ok, 1 a service was unreachable or answered with an error, 2 bad usage. "
+               "See docs/cli.md.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser(
+        "demo", help="run the whole stack locally and train the tiny model for a few minutes",
+        description="Start Redis, the registry, the trainer and rollout workers as local processes, train the "
+                    "warm-started tiny model on the addition task, show live progress, print a summary. "
+                    "Ctrl-C stops every process it started.")
+    demo.add_argument("--steps", type=_positive, default=20, help="training steps (default %(default)s)")
+    demo.add_argument("--workers", type=_positive, default=2, help="rollout workers (default %(default)s)")
+    demo.add_argument("--kv-policy", default="rkv", choices=["dense", "streaming", "snapkv", "h2o", "rkv"],
+                      help="KV-cache policy of the workers (default %(default)s)")
+    demo.add_argument("--kv-budget", type=_positive, default=32,
+                      help="KV tokens kept per sequence by sparse policies (default %(default)s)")
+    demo.add_argument("--groups", type=_positive, default=8, help="prompt groups per step (default %(default)s)")
+    demo.add_argument("--samples", type=_positive, default=8, help="samples per prompt (default %(default)s)")
+    demo.add_argument("--lr", type=float, default=2e-5, help="trainer learning rate (default %(default)s)")
+    demo.add_argument("--keep-running", action="store_true",
+                      help="after the last step keep the stack (and the dashboard) up until Ctrl-C")
+    demo.add_argument("--dir", default="data/demo", help="folder for logs, the store and caches (default %(default)s)")
+    demo.add_argument("--model", default="tiny-demo",
+                      help="'tiny-demo' (the cached warm-start model) or a HF model folder (default %(default)s)")
+    demo.add_argument("--token", default=os.environ.get("SPARSECAST_API_TOKEN") or None,
+                      help="API token for the stack (env SPARSECAST_API_TOKEN; default: a random one)")
+    demo.set_defaults(func=cmd_demo)
+
+    submit = sub.add_parser(
+        "submit", parents=[connection, output], help="queue prompts for training",
+        description="Queue prompt groups on the trainer: prompts as arguments (with --answer each), a JSONL file "
+                    "(objects with 'prompt' and 'answer', or GSM8K-style 'question'/'answer'), or --generate N "
+                    "prompts made by the task itself. '\\n' in an argument becomes a newline.",
+        epilog="example: sparsecast submit --task addition 'add 12+34\\n' --answer 46")
+    submit.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt texts")
+    submit.add_argument("--answer", action="append", help="reference answer of each PROMPT, in order")
+    submit.add_argument("--file", "-f", metavar="JSONL", help="read prompts from a JSONL file ('-' for stdin)")
+    submit.add_argument("--generate", type=_positive, metavar="N", help="let the task make N prompts")
+    submit.add_argument("--seed", type=int, default=0, help="seed for --generate (default %(default)s)")
+    submit.add_argument("--task", help="task that rewards the completions (default: the trainer's)")
+    submit.add_argument("--samples", type=_positive, metavar="N", help="samples per prompt (default: the trainer's)")
+    submit.set_defaults(func=cmd_submit)
+
+    status = sub.add_parser("status", parents=[connection, output], help="training state, queue and last step",
+                            description="Show the trainer's state, step, version, queue depths, the last "
+                                        "step's metrics and the rollout workers.")
+    status.set_defaults(func=cmd_status)
+
+    versions = sub.add_parser(
+        "versions", parents=[connection, output], help="published weight versions and their patch sizes",
+        description="List the published versions: patch bytes against dense bytes, changed fraction and the "
+                    "step's reward. Reads the trainer, or the registry directly when --registry-url is given.")
+    versions.add_argument("--registry-url", default=env("SPARSECAST_REGISTRY_URL") or None,
+                          help="ask this registry instead of the trainer (env SPARSECAST_REGISTRY_URL)")
+    versions.add_argument("--run", default=env("SPARSECAST_RUN", "default"),
+                          help="run name at the registry (env SPARSECAST_RUN; default %(default)s)")
+    versions.add_argument("--last", type=int, default=20, help="rows to show, 0 for all (default %(default)s)")
+    versions.set_defaults(func=cmd_versions)
+
+    workers = sub.add_parser("workers", parents=[connection, output], help="rollout workers and their versions",
+                             description="List the registered rollout workers: engine, KV policy, weight version "
+                                         "and lag behind the trainer, leases held, tokens/s, download speed.")
+    workers.set_defaults(func=cmd_workers)
+
+    bench = sub.add_parser("bench", parents=[output], help="run a benchmark (python -m bench.NAME)",
+                           description="Run python -m bench.NAME with the remaining arguments; without NAME, list "
+                                       "the benchmarks. Results are written to bench/results/NAME-<device>.json.")
+    bench.add_argument("name", nargs="?", help="benchmark name")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to the benchmark")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help exits 0, bad usage 2
+        return int(exc.code or 0)
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        parser.print_usage(sys.stderr)
+        errors.print(f"sparsecast {args.command}: error: {escape(str(exc))}")
+        return EXIT_USAGE
+    except CLIError as exc:
+        errors.print(f"[red]error:[/] {escape(str(exc))}")
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
