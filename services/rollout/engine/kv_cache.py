@@ -8,8 +8,8 @@ but per-head policies keep different tokens in each head. Compression gathers th
 each (row, head) to the front, one layer at a time, so the extra memory it needs is one layer's
 worth and the batch's KV memory never depends on the generated length.
 
-Decode attention is computed here with grouped-query matmuls over the slots in use (no repeat of
-K/V), masked per row; the softmax weights are what H2O accumulates.
+Decode attention runs over the slots in use, masked per row: torch SDPA (each KV head's query heads
+batched as its queries, no K/V repeat), or, for H2O, grouped-query matmuls whose softmax weights it accumulates.
 """
 
 from __future__ import annotations
@@ -115,9 +115,14 @@ class KVCache:
             qw[:, :, -1] = q[:, :, 0]
         keys = self.k[layer, :, :, : self._span]
         values = self.v[layer, :, :, : self._span]
+        if self.attn_acc is None:
+            # Fused kernel when no policy needs the weights. The G query heads of a KV head act as G
+            # queries of that head, so no GQA support or K/V repeat is needed from the kernel.
+            qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self._decode_mask)
+            return out.view(b, self.num_heads, 1, self.head_dim)
         probs = self.grouped_probs(q, keys, self._decode_mask[:, :, None])  # [B, Hkv, G, 1, S]
-        if self.attn_acc is not None:
-            self.attn_acc[layer, :, :, : self._span] += probs[:, :, :, 0].mean(dim=2)
+        self.attn_acc[layer, :, :, : self._span] += probs[:, :, :, 0].mean(dim=2)
         out = torch.matmul(probs.to(values.dtype), values[:, :, None])  # [B, Hkv, G, 1, D]
         return out.view(b, self.num_heads, 1, self.head_dim)
 
