@@ -464,7 +464,7 @@ class RegistryClient:
                 for blob in blobs:
                     header = await asyncio.to_thread(apply_patch, state, blob, verify=True)
                     version = header.target_version
-            except (CorruptObjectError, PatchError) as exc:
+            except (CorruptObjectError, PatchError, RegistryHTTPError) as exc:  # incl. an object gone (404)
                 log.warning("patch path %s→%s failed (%s); falling back to a snapshot", current_version, plan.to_version, exc)
                 fell_back = True
                 plan = await self.plan(None, plan.to_version)

@@ -100,7 +100,7 @@ def start_registry(port: int, store_url: str, **env: str) -> subprocess.Popen:
         [sys.executable, "-m", "services.registry"], env=full_env, cwd=ROOT,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180  # importing torch on a loaded 2-core machine is slow
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"registry exited with {proc.returncode}")
