@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import struct
@@ -30,7 +31,7 @@ from transformers import Qwen3ForCausalLM
 
 from shared.modeling import qwen3_config
 from shared.patch import apply_patch, extract_patch, fingerprint, merge_patches, read_header, save_snapshot
-from shared.patch.codec import bits, decode_patch
+from shared.patch.codec import bits, compress, decode_patch, diff_states
 from shared.patch.format import parse_patch
 
 StateDict = dict[str, torch.Tensor]
@@ -40,18 +41,22 @@ _MERGE_K = (2, 4, 8)
 
 
 def text_like_tokens(vocab: int, n: int, rng: np.random.Generator) -> torch.Tensor:
-    """Zipf-distributed tokens, half of them inside repeated n-grams (phrases), like real text."""
+    """Zipf-distributed tokens, about half of them inside repeated n-grams (phrases), like text."""
     p = np.arange(1, vocab + 1, dtype=np.float64) ** -1.1
     p /= p.sum()
-    phrases = [rng.choice(vocab, size=rng.integers(2, 9), p=p) for _ in range(256)]
+    phrases = np.split(rng.choice(vocab, size=256 * 5, p=p), np.cumsum(rng.integers(2, 9, size=255)))
     phrase_p = np.arange(1, len(phrases) + 1, dtype=np.float64) ** -1.0
     phrase_p /= phrase_p.sum()
+    singles = rng.choice(vocab, size=n, p=p)
+    picks = rng.choice(len(phrases), size=n, p=phrase_p)
     out: list[np.ndarray] = []
     total = 0
-    while total < n:
-        piece = phrases[rng.choice(len(phrases), p=phrase_p)] if rng.random() < 0.5 else rng.choice(vocab, 4, p=p)
+    for i in range(n):  # pieces of 4 single tokens or one phrase, alternating at random
+        piece = phrases[picks[i]] if rng.random() < 0.5 else singles[4 * (i % (n // 4 or 1)) :][:4]
         out.append(piece)
         total += piece.size
+        if total >= n:
+            break
     return torch.from_numpy(np.concatenate(out)[:n].astype(np.int64))
 
 
@@ -110,6 +115,17 @@ def _extract_indices(old: StateDict, new: StateDict) -> int:
     return sum(int(torch.nonzero(bits(old[k]) != bits(new[k])).numel()) for k in sorted(new))
 
 
+def _encoding_sizes(old: StateDict, new: StateDict, header_bytes: int) -> dict[str, int]:
+    """Patch bytes had every tensor used `values` (resp. `bitdelta`): one diff, both codings
+    (header size taken from the `auto` patch; it differs by a few bytes)."""
+    raws = diff_states(old, new, "auto")
+    index = sum(len(compress(r.index_raw.numpy().tobytes())) for r in raws)
+    return {
+        "values": header_bytes + index + sum(len(compress(r.values_raw.numpy().tobytes())) for r in raws),
+        "bitdelta": header_bytes + index + sum(len(compress(r.bitdelta_raw.numpy().tobytes())) for r in raws),
+    }
+
+
 def _same_bits(a: StateDict, b: StateDict) -> bool:
     return all(torch.equal(bits(a[k]), bits(b[k])) for k in b)
 
@@ -162,7 +178,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         version = dict(run=args.run, base_version=step, target_version=step + 1,
                        base_fingerprint=base_fp, target_fingerprint=target_fp)
         patch, extract_encode_s = timed(device, lambda o=old, n=new, v=version: extract_patch(o, n, **v))
-        sizes = {e: len(extract_patch(old, new, encoding=e, **version)) for e in ("values", "bitdelta")}
+        sizes = _encoding_sizes(old, new, header_bytes=read_header(patch).header_bytes)
         pulse = pulse_baseline_bytes(old, new)
         header = parse_patch(patch)
         _, decode_s = timed(device, lambda p=patch, h=header: decode_patch(p, h, replica))
@@ -241,7 +257,8 @@ def _report(args, device, params, dense_bytes, batch, seq, steps, union) -> dict
     return {
         "bench": "patch", "device": device.type, "device_name": _device_name(device), "shape": args.shape,
         "params": params, "dense_bf16_bytes": dense_bytes, "steps": args.steps, "lr": args.lr, "batch": batch,
-        "seq": seq, "seed": args.seed, "torch": torch.__version__, "per_step": steps, "union": union,
+        "seq": seq, "seed": args.seed, "torch": torch.__version__,
+        "cpu_count": os.cpu_count(), "loadavg_at_end": os.getloadavg(), "per_step": steps, "union": union,
         "summary": summary, "targets": targets,
     }
 
