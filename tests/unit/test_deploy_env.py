@@ -45,7 +45,12 @@ def container_env_names() -> set[str]:
                 capture_output=True, text=True, timeout=60, check=True,
             )
             names |= set(NAME.findall(rendered.stdout))
-    for template in (ROOT / "k8s" / "helm" / "sparsecast" / "templates").glob("*.yaml"):
+    chart = ROOT / "k8s" / "helm" / "sparsecast"
+    for values_file in chart.glob("values*.yaml"):
+        values = yaml.safe_load(values_file.read_text())
+        for component in ("registry", "trainer", "rollout"):
+            names |= {e["name"] for e in values.get(component, {}).get("extraEnv", [])}
+    for template in (chart / "templates").glob("*.yaml"):
         names |= set(re.findall(r"^\s+(?:- name: )?(SPARSECAST_[A-Z0-9_]+)", template.read_text(), re.MULTILINE))
     return names
 
