@@ -85,11 +85,11 @@ async def test_stalled_worker_finishing_after_reclaim_counted_once(
 
 
 async def test_heartbeat_keeps_lease_from_reclaim(make_coord: CoordFactory) -> None:
-    coord = make_coord(lease_ttl_s=0.2)
+    coord = make_coord(lease_ttl_s=0.5)  # generous: a loaded machine may delay the loop
     await coord.enqueue(groups(1))
     leases = await coord.claim("w1", 1)
-    for _ in range(6):  # 0.36 s in all, well past one TTL
-        await asyncio.sleep(0.06)
+    for _ in range(7):  # 0.7 s in all, past one TTL
+        await asyncio.sleep(0.1)
         assert await coord.heartbeat_leases(leases) == leases
     assert await coord.claim("w2", 1) == []
     assert await coord.complete(leases[0], trajectory(leases[0]))
