@@ -42,7 +42,7 @@ def resolve_model_dir(settings: TrainerSettings) -> Path:
     if settings.model == "tiny-demo":
         from services.trainer.warmstart import ensure_warmstart_model
 
-        return ensure_warmstart_model(Path(settings.data_dir) / "warmstart")
+        return ensure_warmstart_model(Path(settings.warmstart_cache))
     path = Path(settings.model)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a HF model directory (no config.json); use 'tiny-demo' or a model dir")

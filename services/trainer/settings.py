@@ -17,6 +17,8 @@ class TrainerSettings(BaseSettings):
     port: int = 8000
     # "tiny-demo": the cached warm-start tiny model (services.trainer.warmstart); else a HF model dir.
     model: str = "tiny-demo"
+    # Where the warm-start model is cached (shared by demo runs and tests started from the same folder).
+    warmstart_cache: str = ".cache/warmstart"
     device: str = "auto"  # cpu | cuda | cuda:N | auto
     data_dir: str = "./data/trainer"  # checkpoints, metrics.jsonl, the warm-start cache
     run: str = "default"

@@ -1,0 +1,82 @@
+"""The trainer core without HTTP: collation, one GRPO step, micro-batching equivalence, bf16 publishing."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.trainer.batching import collate
+from services.trainer.core import Trainer, published_state
+from services.trainer.settings import TrainerSettings
+from shared.patch import apply_patch, extract_patch, fingerprint, read_header
+from shared.schemas import KVStats, Sample, Trajectory
+
+
+def _trajectories(vocab: int, groups: int = 3, samples: int = 4, seed: int = 0) -> list[Trajectory]:
+    rng = random.Random(seed)
+    out = []
+    for g in range(groups):
+        prompt = [1] + [rng.randrange(4, vocab) for _ in range(rng.randrange(3, 7))]
+        items = []
+        for _ in range(samples):
+            completion = [rng.randrange(4, vocab) for _ in range(rng.randrange(2, 9))]
+            items.append(Sample(completion="x", prompt_ids=prompt, completion_ids=completion,
+                                logprobs=[-rng.uniform(0.5, 6.0) for _ in completion], reward=rng.random(),
+                                correct=rng.random() < 0.3, finish_reason="stop",
+                                kv=KVStats(peak_tokens=len(prompt) + 2, peak_bytes=100, evicted=1)))
+        out.append(Trajectory(group_id=f"g{g}", attempt=1, policy_version=0, worker_id="w", task="addition",
+                              prompt="p", samples=items))
+    return out
+
+
+def _trainer(model_dir: str, tmp_path: Path, **overrides) -> Trainer:
+    settings = TrainerSettings(model=model_dir, device="cpu", data_dir=str(tmp_path), **({"lr": 1e-3} | overrides))
+    return Trainer(settings, registry=None, coord=None, model_dir=Path(model_dir))  # type: ignore[arg-type]
+
+
+def test_collate_aligns_sampler_logprobs_with_completion_tokens() -> None:
+    trajectories = _trajectories(vocab=50, groups=2, samples=2)
+    batch = collate(trajectories, pad_id=0)
+    for row, (g, s) in enumerate((g, s) for g, t in enumerate(trajectories) for s in t.samples):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        assert batch.input_ids[row, p: p + c].tolist() == s.completion_ids
+        assert batch.completion_mask[row].sum() == c and batch.completion_mask[row, p] == 1
+        assert torch.allclose(batch.logp_sampler[row, p: p + c], torch.tensor(s.logprobs))
+        assert batch.attention_mask[row].sum() == p + c and batch.group_index[row] == g
+    assert batch.staleness(trainer_version=2) == {2: 2}
+    with pytest.raises(ValueError):
+        collate([], pad_id=0)
+
+
+def test_micro_batching_gives_the_same_update(tiny_model_dir: str, tmp_path: Path) -> None:
+    trajectories = _trajectories(vocab=90)
+    whole = _trainer(tiny_model_dir, tmp_path / "a", micro_batch=64, bf16_autocast=False)
+    split = _trainer(tiny_model_dir, tmp_path / "b", micro_batch=5, bf16_autocast=False)
+    m_whole = whole.train_step(trajectories)
+    m_split = split.train_step(trajectories)
+    assert m_whole["loss"] == pytest.approx(m_split["loss"], rel=1e-4, abs=1e-6)
+    for (name, a), (_, b) in zip(whole.model.named_parameters(), split.model.named_parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6), name
+    for key in ("reward_mean", "reward_std", "accuracy", "rejection_rate", "token_mask_rate", "xi_mean",
+                "kl_old_sampler", "kv_saved", "staleness", "grad_norm"):
+        assert key in m_whole
+    assert m_whole["step"] == 1 and m_whole["sequences"] == 12
+
+
+def test_step_changes_a_sparse_set_of_bf16_weights_and_the_patch_is_exact(tiny_model_dir: str, tmp_path: Path) -> None:
+    trainer = _trainer(tiny_model_dir, tmp_path, lr=1e-5)
+    before = trainer.published
+    assert "lm_head.weight" not in before  # tied: listed once, as save_pretrained does
+    assert fingerprint(before) == fingerprint(published_state(trainer.model))
+    trainer.train_step(_trajectories(vocab=90))
+    after = published_state(trainer.model)
+    patch = extract_patch(before, after, run="r", base_version=0, target_version=1)
+    header = read_header(patch)
+    assert 0 < header.changed < trainer.numel  # something moved, not everything
+    replica = {k: v.clone() for k, v in before.items()}
+    apply_patch(replica, patch)
+    assert fingerprint(replica) == fingerprint(after)
+    assert all(torch.equal(replica[k].view(torch.int16), after[k].view(torch.int16)) for k in after)
