@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -75,7 +76,8 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         try:
-            await storage.ping()
+            # obstore retries an unreachable store for minutes; a probe must answer promptly.
+            await asyncio.wait_for(storage.ping(), timeout=5.0)
         except Exception as exc:  # noqa: BLE001 - any storage failure means not ready
             return JSONResponse({"status": "unavailable", "detail": str(exc)}, status_code=503)
         return JSONResponse({"status": "ready"})

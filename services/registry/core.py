@@ -414,13 +414,20 @@ class Registry:
                 merged = await self._merged(run, state, a, b)
                 if merged is not None:
                     candidates.append((merged.size, 1, "merged", [patch_step(merged, a, target)]))
-        for s in state.snapshots():
-            if s > b or (chain := self._chain(state, s, b)) is None:
+        snapshots = [s for s in state.snapshots() if s <= b]
+        for s in snapshots:
+            if (chain := self._chain(state, s, b)) is None:
                 continue
             snap = state.manifests[s]
-            steps = [PlanStep(kind="snapshot", object=snap.snapshot, base_version=None, target_version=s, fingerprint=snap.fingerprint)]
-            steps += [patch_step(m.patch, m.version - 1, m) for m in chain]
+            first = PlanStep(kind="snapshot", object=snap.snapshot, base_version=None, target_version=s, fingerprint=snap.fingerprint)
+            steps = [first] + [patch_step(m.patch, m.version - 1, m) for m in chain]
             candidates.append((sum(st.object.size for st in steps), 3, "snapshot", steps))
+            # From the newest snapshot, one merged patch can replace the chain (fewer bytes, and
+            # one apply instead of b−s for a fresh worker).
+            if s == snapshots[-1] and 2 <= b - s <= self.settings.max_merge_lag:
+                merged = await self._merged(run, state, s, b)
+                if merged is not None:
+                    candidates.append((snap.snapshot.size + merged.size, 3, "snapshot", [first, patch_step(merged, s, target)]))
         if not candidates:
             raise NotFound(f"no snapshot or chain reaches version {b} of run {run!r}")
         total, _, kind, steps = min(candidates, key=lambda c: (c[0], c[1]))

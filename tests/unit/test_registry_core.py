@@ -14,7 +14,7 @@ from services.registry.core import (
     piece_hashes,
 )
 from services.registry.settings import RegistrySettings
-from shared.patch import apply_patch, extract_patch, fingerprint
+from shared.patch import apply_patch, extract_patch, fingerprint, load_snapshot
 from shared.storage import ObjectStorage
 from tests.integration.registry_helpers import Chain, clone, make_chain, same, step
 
@@ -87,14 +87,22 @@ async def test_plans_pick_the_fewest_bytes(chain: Chain) -> None:
     assert await registry.storage.exists(f"{RUN}/merged/2-6.patch")
     fresh = await registry.plan(RUN, None, None)
     assert fresh.kind == "snapshot" and [s.object.key for s in fresh.steps] == [
-        "snapshots/4.safetensors", "patches/4-5.patch", "patches/5-6.patch",
+        "snapshots/4.safetensors", "merged/4-6.patch",
+    ]
+    assert fresh.total_bytes < (await registry.manifest(RUN, 4)).snapshot.size + len(chain.patches[5]) + len(chain.patches[6])
+    assert [s.object.key for s in (await registry.plan(RUN, None, 5)).steps] == [
+        "snapshots/4.safetensors", "patches/4-5.patch",
     ]
     # Every plan, applied from its start, lands on the target bit-exactly.
-    for a, target in ((2, 6), (5, 6), (0, 3)):
+    for a, target in ((2, 6), (5, 6), (0, 3), (None, 6)):
         plan = await registry.plan(RUN, a, target)
-        state = clone(chain.states[a])
+        state = clone(chain.states[a]) if a is not None else {}
         for s in plan.steps:
-            apply_patch(state, await registry.storage.get(f"{RUN}/{s.object.key}"))
+            blob = await registry.storage.get(f"{RUN}/{s.object.key}")
+            if s.kind == "snapshot":
+                state = load_snapshot(blob)[0]
+            else:
+                apply_patch(state, blob)
         assert same(state, chain.states[target]) and fingerprint(state) == plan.fingerprint
     with pytest.raises(Invalid, match="cannot plan"):
         await registry.plan(RUN, 6, 3)
