@@ -48,7 +48,7 @@ class WarmstartRecipe(BaseModel):
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
-    threads: int = 2
+    threads: int = 1  # tiny matmuls gain little from a 2nd thread, and 1 never spins under contention
     # Share of SFT examples per task; addition dominates because it is the RL demo task.
     task_mix: dict[str, float] = Field(default_factory=lambda: {"addition": 0.8, "sorting": 0.1, "countdown": 0.1})
     task_options: dict[str, dict[str, int]] = Field(default_factory=lambda: {"addition": {"min_digits": 4, "max_digits": 10}})
@@ -72,15 +72,12 @@ class WarmstartRecipe(BaseModel):
 
 
 def build_model_config(recipe: WarmstartRecipe, tokenizer: PreTrainedTokenizerFast) -> Qwen3Config:
-    config = qwen3_config(recipe.shape)
-    for key, value in recipe.model_overrides.items():
-        setattr(config, key, value)
-    config.vocab_size = len(tokenizer)
-    config.bos_token_id = tokenizer.bos_token_id
-    config.eos_token_id = tokenizer.eos_token_id
-    config.pad_token_id = tokenizer.pad_token_id
-    config.max_position_embeddings = 512
-    return config
+    fields = qwen3_config(recipe.shape).to_dict()
+    fields.pop("layer_types", None)  # derived from num_hidden_layers, which the overrides may change
+    fields.update(recipe.model_overrides)
+    fields.update(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id, max_position_embeddings=512)
+    return Qwen3Config(**fields)
 
 
 def _seed_everything(recipe: WarmstartRecipe) -> None:

@@ -1,0 +1,50 @@
+"""Warm start in a shortened mode: deterministic bytes, a loadable HF dir, and cache reuse."""
+
+import hashlib
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from services.trainer import warmstart
+from services.trainer.warmstart import WarmstartRecipe, ensure_warmstart_model, train_warmstart
+
+SHORT = WarmstartRecipe(steps=3, batch_size=4, warmup_steps=1, eval_prompts=0)
+
+
+def _digest(path) -> str:
+    return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+
+
+def test_short_warmstart_is_deterministic_and_loadable(tmp_path):
+    train_warmstart(SHORT, tmp_path / "a", log_every=0)
+    train_warmstart(SHORT, tmp_path / "b", log_every=0)
+    assert _digest(tmp_path / "a") == _digest(tmp_path / "b")
+    other = SHORT.model_copy(update={"seed": 1})
+    train_warmstart(other, tmp_path / "c", log_every=0)
+    assert _digest(tmp_path / "c") != _digest(tmp_path / "a")
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "a")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "a")
+    assert model.dtype == torch.bfloat16 and model.config.vocab_size == len(tok)
+    assert (model.config.eos_token_id, model.config.pad_token_id) == (tok.eos_token_id, tok.pad_token_id)
+    assert (tmp_path / "a" / "generation_config.json").is_file()
+    assert json.loads((tmp_path / "a" / "warmstart.json").read_text())["recipe_hash"] == SHORT.fingerprint()
+
+
+def test_cache_is_reused_and_keyed_by_recipe(tmp_path, monkeypatch):
+    recipe = SHORT.model_copy(update={"eval_prompts": 2})
+    first = ensure_warmstart_model(tmp_path, recipe)
+    report = json.loads((first / "warmstart.json").read_text())
+    assert set(report["eval"]) == {"addition", "countdown", "sorting"}  # evaluation ran
+    digest = _digest(first)
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("cached model should have been reused")
+
+    monkeypatch.setattr(warmstart, "train_warmstart", no_training)
+    assert ensure_warmstart_model(tmp_path, recipe) == first and _digest(first) == digest
+    with pytest.raises(AssertionError, match="reused"):  # a different recipe is a different cache entry
+        ensure_warmstart_model(tmp_path, recipe.model_copy(update={"lr": 1e-3}))
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp dirs left behind
