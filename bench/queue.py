@@ -1,7 +1,7 @@
 """Coordination benchmark: `python -m bench.queue [--workers 1 4 8] [--groups 20000]`.
 
-Measures claim + complete throughput (prompt groups per second) of shared.coord against a real
-Redis (env REDIS_URL, default redis://127.0.0.1:6379). Each worker is its own OS process with
+Measures claim + complete throughput (prompt groups per second) of shared.coord against a local
+Redis: by default a private redis-server started for the run (`--redis-url URL` uses another). Each worker is its own OS process with
 its own connection, running the loop a rollout worker runs: claim a batch, then complete its
 groups, each an atomic Lua script: `per_group` awaits complete() for each group, `batched` sends
 the batch's completions in one pipelined round trip (complete_many(): a worker generates the
@@ -225,8 +225,9 @@ def main() -> None:
                         help="complete() per group, or complete_many() per claimed batch")
     parser.add_argument("--samples", type=int, default=2, help="samples per trajectory")
     parser.add_argument("--tokens", type=int, default=32, help="completion tokens per sample")
-    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379"),
-                        help='a Redis URL, or "spawn" to start a private redis-server for the run')
+    parser.add_argument("--redis-url", default="spawn",
+                        help='"spawn" (default): a private redis-server for the run, so server time per group '
+                             "counts only this benchmark; or the URL of an existing Redis")
     parser.add_argument("--device", default="cpu", help="names the result file only")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

@@ -25,8 +25,9 @@ COUNTERS: tuple[str, ...] = (
 
 
 def decode(value: bytes | str) -> str:
-    """Redis clients may or may not decode responses; the coordinator accepts both."""
-    return value.decode() if isinstance(value, bytes) else value
+    """Redis clients may or may not decode responses; the coordinator accepts both. Bytes that
+    are not UTF-8 (a broken producer) become U+FFFD, so parsing fails cleanly instead of raising."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
 def counters_from_hash(raw: dict) -> dict[str, int]:

@@ -119,16 +119,17 @@ async def test_malformed_entries_dead_lettered_and_consumer_continues(make_coord
     await coord.setup()
     await coord.redis.xadd(coord.keys.prompts, {"junk": "1"})
     await coord.redis.xadd(coord.keys.prompts, {"group": "{not json"})
+    await coord.redis.xadd(coord.keys.prompts, {"group": b"\xff\xfe not utf-8"})
     await coord.redis.xadd(coord.keys.prompts, {"group": '{"id": "bad", "task": "t", "prompt": "p", "samples": 0}'})
     await coord.enqueue(groups(1, start=1))
     leases = await coord.claim("w1", 10)
     assert [lease.group_id for lease in leases] == ["g0", "g1"]
     reasons = [d["reason"] for d in await coord.dead_letters()]
-    assert len(reasons) == 3 and all(r.startswith("malformed: ") for r in reasons)
+    assert len(reasons) == 4 and all(r.startswith("malformed: ") for r in reasons)
     assert "no 'group' field" in reasons[0]
-    assert "samples" in reasons[2]
+    assert "samples" in reasons[3]
     stats = await coord.stats()
-    assert (stats["malformed"], stats["dead_letters"], stats["leases_pending"]) == (3, 3, 2)
+    assert (stats["malformed"], stats["dead_letters"], stats["leases_pending"]) == (4, 4, 2)
 
 
 async def test_release_returns_group_without_using_an_attempt(make_coord: CoordFactory) -> None:
