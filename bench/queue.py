@@ -86,11 +86,18 @@ async def _server_usec(client: aioredis.Redis) -> float:
     return (float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])) * 1e6
 
 
-async def _ping_rate(client: aioredis.Redis, n: int = 5000) -> float:
+async def _ping_baseline(client: aioredis.Redis, n: int = 5000) -> dict[str, float]:
+    """One process's PING round trips: the floor cost of any Redis call on this machine now."""
+    server_before, cpu_before = await _server_usec(client), time.process_time()
     start = time.perf_counter()
     for _ in range(n):
         await client.ping()
-    return n / (time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    return {
+        "ping_round_trips_per_s_one_process": round(n / elapsed, 1),
+        "client_cpu_us_per_ping": round((time.process_time() - cpu_before) / n * 1e6, 1),
+        "server_cpu_us_per_ping": round((await _server_usec(client) - server_before) / n, 2),
+    }
 
 
 async def run_config(url: str, workers: int, mode: str, groups: int, batch: int, samples: int,
@@ -142,7 +149,7 @@ async def run_config(url: str, workers: int, mode: str, groups: int, batch: int,
             # CPU cost per group, which sharing the machine inflates less than wall time:
             # client = the worker processes' CPU time, server = the Redis process's CPU time.
             "client_cpu_us_per_group": round(client_cpu / groups * 1e6, 1),
-            "server_us_per_group": round(server_usec / groups, 1),
+            "server_cpu_us_per_group": round(server_usec / groups, 1),
             "enqueue_groups_per_s": round(groups / enqueue_s, 1),
             "trainer_drain_groups_per_s": round(groups / drain_s, 1),
         }
@@ -154,7 +161,8 @@ async def run_config(url: str, workers: int, mode: str, groups: int, batch: int,
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     client = aioredis.from_url(args.redis_url)
     info = await client.info("server")
-    ping_per_s = await _ping_rate(client)
+    baseline = await _ping_baseline(client)
+    ping_per_s = baseline["ping_round_trips_per_s_one_process"]
     await client.aclose()
     sample_trajectory = make_trajectory(PromptGroup(id="g0", task="addition", prompt="0+0=", samples=1),
                                         "w0", 1, args.samples, args.tokens)
@@ -163,6 +171,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         for workers in args.workers:
             row = await run_config(args.redis_url, workers, mode, args.groups, args.batch, args.samples, args.tokens)
             row["groups_per_ping"] = round(row["groups_per_s"] / ping_per_s, 3)
+            # Cost of one group in PING units: portable across machines and load levels.
+            row["client_cpu_pings_per_group"] = round(row["client_cpu_us_per_group"] / baseline["client_cpu_us_per_ping"], 2)
+            row["server_cpu_pings_per_group"] = round(row["server_cpu_us_per_group"] / baseline["server_cpu_us_per_ping"], 2)
             row["meets_target"] = row["groups_per_s"] >= TARGET_GROUPS_PER_S
             results.append(row)
             print(json.dumps(row), flush=True)
@@ -176,7 +187,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "params": {"groups": args.groups, "batch": args.batch, "samples_per_group": args.samples,
                    "tokens_per_sample": args.tokens,
                    "trajectory_json_bytes": len(sample_trajectory.model_dump_json())},
-        "baseline": {"ping_round_trips_per_s_one_process": round(ping_per_s, 1)},
+        "baseline": baseline,
         "target_groups_per_s": TARGET_GROUPS_PER_S,
         "results": results,
     }
