@@ -28,7 +28,11 @@ def test_logits_match_transformers(family: str, tied: bool) -> None:
 
 def test_bf16_logits_close_to_transformers() -> None:
     hf, ours = tiny_pair("qwen3")
+    inv_freq = hf.model.rotary_emb.inv_freq.clone()
     hf, ours = hf.to(torch.bfloat16), ours.to(torch.bfloat16)
+    # transformers' from_pretrained(dtype=bf16) keeps inv_freq fp32; .to() would round it.
+    hf.model.rotary_emb.inv_freq = inv_freq
+    assert ours.model.rotary_emb.inv_freq.dtype == torch.float32
     ids = torch.randint(0, VOCAB, (2, 12))
     with torch.no_grad():
         expected = hf(ids).logits.float()

@@ -64,6 +64,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.scaling = float(scaling)
 
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
+        # Module.to(bf16) would round inv_freq and shift every rotation angle; transformers'
+        # from_pretrained keeps it fp32, so only move it, never cast it.
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        if not inv_freq.is_meta:
+            self.inv_freq = inv_freq.to(self.inv_freq.device)
+        return self
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -210,7 +219,7 @@ def load_pretrained(path: str | Path, *, device: str | torch.device = "cpu",
     with torch.device("meta"):
         model = DecoderLM(config)
     model = model.to_empty(device=device).to(dtype)
-    model.model.rotary_emb = RotaryEmbedding(config, model.head_dim).to(device)
+    model.model.rotary_emb = RotaryEmbedding(config, model.head_dim).to(device)  # meta had no values
     index = path / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else []
     files = [path / f for f in files] or sorted(path.glob("*.safetensors"))
