@@ -105,6 +105,7 @@ async def run_config(url: str, workers: int, mode: str, groups: int, batch: int,
     client = aioredis.from_url(url)
     prefix = f"bench-queue-{uuid.uuid4().hex[:8]}"
     coord = Coordinator(client, prefix, CoordSettings(max_queue=1 << 30))
+    procs: list[Any] = []
     try:
         payload = [PromptGroup(id=f"g{i}", task="addition", prompt=f"{i}+{i}=", answer=str(2 * i), samples=samples)
                    for i in range(groups)]
@@ -115,7 +116,7 @@ async def run_config(url: str, workers: int, mode: str, groups: int, batch: int,
 
         ctx = mp.get_context("spawn")
         ready, go, cpu_seconds = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
-        procs = [ctx.Process(target=_worker_process,
+        procs += [ctx.Process(target=_worker_process,
                              args=(url, prefix, f"w{i}", mode, batch, samples, tokens, ready, go, cpu_seconds))
                  for i in range(workers)]
         for p in procs:
@@ -154,6 +155,10 @@ async def run_config(url: str, workers: int, mode: str, groups: int, batch: int,
             "trainer_drain_groups_per_s": round(groups / drain_s, 1),
         }
     finally:
+        for p in procs:  # on an interrupted run, no worker outlives the benchmark
+            if p.is_alive():
+                p.kill()
+                p.join()
         await _clean(client, prefix)
         await client.aclose()
 
