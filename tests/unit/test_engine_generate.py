@@ -141,4 +141,4 @@ def test_cuda_matches_cpu(policy: str) -> None:
     for c, g in zip(cpu, gpu, strict=True):
         assert g.token_ids[:8] == c.token_ids[:8]
         assert g.logprobs[:8] == pytest.approx(c.logprobs[:8], abs=1e-3)
-        assert g.kv == c.kv or policy != "dense"
+        assert g.kv == c.kv  # stats depend only on lengths and the budget
