@@ -14,7 +14,7 @@ import redis
 from services.registry.app import create_app
 from services.registry.settings import RegistrySettings
 from shared.patch import extract_patch, fingerprint
-from shared.registry_client import RegistryClient
+from shared.registry_client import RegistryClient, SyncError
 from tests.conftest import serve_app
 from tests.integration.registry_helpers import TOKEN, Chain, clone, make_chain, same, step
 
@@ -153,6 +153,13 @@ async def test_corrupt_object_is_detected_and_snapshot_recovers(tmp_path: Path, 
             result = await client.sync_to(state, 1)  # merging 1→3 fails on the corrupt input: chain
             assert result.fell_back and result.path == "snapshot" and result.version == 3
             assert same(state, chain.states[3])
+            # An object lost from storage on every path: the sync fails, the weights stay at 3.
+            for v in (4, 5):
+                await client.publish_patch(v, chain.patches[v])
+            (tmp_path / "store" / RUN / "patches" / "4-5.patch").unlink()
+            with pytest.raises(SyncError) as failure:
+                await client.sync_to(state, 3)
+            assert failure.value.version == 3 and same(state, chain.states[3])
 
 
 async def test_concurrent_publish_and_reads(url: str, chain: Chain) -> None:
