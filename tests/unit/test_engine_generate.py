@@ -142,3 +142,22 @@ def test_cuda_matches_cpu(policy: str) -> None:
         assert g.token_ids[:8] == c.token_ids[:8]
         assert g.logprobs[:8] == pytest.approx(c.logprobs[:8], abs=1e-3)
         assert g.kv == c.kv  # stats depend only on lengths and the budget
+
+
+@pytest.mark.parametrize("policy", ["dense", "rkv", "h2o"])
+def test_batched_rows_equal_their_solo_runs_across_stops_and_evictions(policy: str) -> None:
+    """Padding, per-row lengths, row removal after stops and compression leave each sequence as if alone."""
+    _, ours = tiny_pair("qwen3")
+    engine = LLMEngine(ours)
+    kv = KVConfig(policy=policy, budget=8, buffer=4)
+    probe = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=40), kv)
+    stop = probe[1].token_ids[3]
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, stop_token_ids=(stop,))
+    batched = engine.generate(PROMPTS, params, kv)
+    assert any(o.finish_reason == "stop" for o in batched)
+    assert any(o.kv.evicted for o in batched) == (policy != "dense")
+    for prompt, out in zip(PROMPTS, batched, strict=True):
+        solo = engine.generate([prompt], params, kv)[0]
+        assert out.token_ids == solo.token_ids and out.finish_reason == solo.finish_reason
+        assert out.logprobs == pytest.approx(solo.logprobs, abs=1e-4)
+        assert out.kv == solo.kv
