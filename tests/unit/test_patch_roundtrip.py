@@ -1,5 +1,6 @@
 """Bit-exact round trips of shared.patch for random bit patterns, special values included."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -130,3 +131,20 @@ def test_unchanged_state_gives_an_empty_patch():
     copy = {"w": state["w"].clone()}
     apply_patch(copy, patch)
     assert torch.equal(copy["w"], state["w"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_patches_match_cpu_patches():
+    g = torch.Generator().manual_seed(1)
+    old = {"w": torch.randn(300, 70, generator=g).bfloat16(), "b": torch.randn(33, generator=g)}
+    new = {k: v.clone() for k, v in old.items()}
+    bits(new["w"])[::13] += 1
+    bits(new["b"])[[0, 32]] -= 1
+    cuda_old = {k: v.cuda() for k, v in old.items()}
+    cuda_new = {k: v.cuda() for k, v in new.items()}
+    version = dict(run="r", base_version=0, target_version=1)
+    patch = extract_patch(cuda_old, cuda_new, **version)
+    assert patch == extract_patch(old, new, **version)  # same bytes from either device
+    apply_patch(cuda_old, patch)
+    assert _same_bits({k: v.cpu() for k, v in cuda_old.items()}, new)
