@@ -59,17 +59,19 @@ function niceTicks(lo, hi, count = 4) {
   return ticks;
 }
 
-function frame(svg, xs, yLo, yHi, fmtY, fmtX) {
+// xPad widens the x range on both sides (in x units) so bars at the ends are not cut in half.
+function frame(svg, xs, yLo, yHi, fmtY, fmtX, xPad = 0) {
   svg.replaceChildren();
   const { w, h, left, right, top, bottom } = BOX;
-  const xLo = Math.min(...xs), xHi = Math.max(...xs);
+  const xMin = Math.min(...xs), xMax = Math.max(...xs);
+  const xLo = xMin - xPad, xHi = xMax + xPad;
   const sx = (x) => left + (xHi === xLo ? 0.5 : (x - xLo) / (xHi - xLo)) * (w - left - right);
   const sy = (y) => h - bottom - ((y - yLo) / (yHi - yLo || 1)) * (h - top - bottom);
   for (const t of niceTicks(yLo, yHi)) {
     svg.append(el("line", { class: "grid", x1: left, x2: w - right, y1: sy(t), y2: sy(t) }));
     svg.append(el("text", { x: left - 6, y: sy(t) + 4, "text-anchor": "end" }, fmtY(t)));
   }
-  const xTicks = xHi === xLo ? [xLo] : niceTicks(xLo, xHi, 6).filter((t) => Number.isInteger(t));
+  const xTicks = xMax === xMin ? [xMin] : niceTicks(xMin, xMax, 6).filter((t) => Number.isInteger(t));
   for (const t of xTicks) svg.append(el("text", { x: sx(t), y: h - bottom + 16, "text-anchor": "middle" }, fmtX(t)));
   svg.append(el("line", { class: "axis", x1: left, x2: w - right, y1: h - bottom, y2: h - bottom }));
   svg.append(el("line", { class: "axis", x1: left, x2: left, y1: top, y2: h - bottom }));
@@ -115,11 +117,11 @@ function barChart(svg, bars, { color, fmtY, fmtX = (v) => `v${v}`, waiting }) {
   if (!bars.length) return empty(svg, waiting);
   const xs = bars.map((b) => b.x);
   const hi = Math.max(...bars.map((b) => b.y));
-  const { sx, sy } = frame(svg, xs, 0, hi * 1.08 || 1, fmtY, fmtX);
-  const slot = (BOX.w - BOX.left - BOX.right) / Math.max(bars.length, 1);
+  const { sx, sy } = frame(svg, xs, 0, hi * 1.08 || 1, fmtY, fmtX, 0.6);
+  const slot = (BOX.w - BOX.left - BOX.right) / (Math.max(...xs) - Math.min(...xs) + 1.2);
   const width = Math.max(2, Math.min(28, slot * 0.7));
   const d = bars.map((b) => {
-    const x = (bars.length === 1 ? sx(b.x) : sx(b.x)) - width / 2;
+    const x = sx(b.x) - width / 2;
     const top = sy(b.y), base = sy(0);
     return `M${x.toFixed(1)},${base.toFixed(1)}V${top.toFixed(1)}H${(x + width).toFixed(1)}V${base.toFixed(1)}Z`;
   }).join("");
