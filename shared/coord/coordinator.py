@@ -41,6 +41,9 @@ class Coordinator:
             for name in ("ENQUEUE", "CLAIM", "HEARTBEAT", "RELEASE", "COMPLETE", "DEAD_LETTER")
         }
         self._ready = False
+        # Trajectories a previous trainer process read but had not acknowledged when it died
+        # are still pending for the trainer consumer; the first read hands them out again.
+        self._trainer_backlog = True
 
     async def setup(self) -> None:
         """Create the streams and consumer groups (idempotent; every method calls it once)."""
@@ -223,16 +226,24 @@ class Coordinator:
         await self.setup()
         if min_version is None:
             min_version = await self.trainer_version() - self.settings.max_lag
-        reply = await self.redis.xreadgroup(
-            TRAINER_GROUP,
-            TRAINER_GROUP,
-            {self.keys.trajectories: ">"},
-            count=max_count,
-            block=block_ms if block_ms > 0 else None,
-        )
-        if not reply:
-            return []
-        rows = reply[0][1]
+        rows: list = []
+        if self._trainer_backlog:
+            reply = await self.redis.xreadgroup(
+                TRAINER_GROUP, TRAINER_GROUP, {self.keys.trajectories: "0"}, count=max_count
+            )
+            rows = reply[0][1] if reply else []
+            self._trainer_backlog = bool(rows)
+        if not rows:
+            reply = await self.redis.xreadgroup(
+                TRAINER_GROUP,
+                TRAINER_GROUP,
+                {self.keys.trajectories: ">"},
+                count=max_count,
+                block=block_ms if block_ms > 0 else None,
+            )
+            if not reply:
+                return []
+            rows = reply[0][1]
         ids = [decode(i) for i, _ in rows]
         # Taken means consumed: ack and delete so the stream holds only unread results.
         async with self.redis.pipeline(transaction=True) as pipe:

@@ -106,3 +106,15 @@ async def test_lagging_worker_claims_none_until_synced(make_coord: CoordFactory)
     assert (await coord.stats())["lagging_refusals"] == 1
     await coord.register_worker(WorkerInfo(worker_id="behind", weight_version=5, tokens_per_s=500.0))
     assert len(await coord.claim("behind", 4)) == 4
+
+
+async def test_trajectories_read_by_a_crashed_trainer_are_handed_out_again(make_coord: CoordFactory) -> None:
+    coord = make_coord()
+    await complete_with_versions(coord, [0, 0, 0])
+    # A trainer that died between reading and acknowledging: two entries pending, unacknowledged.
+    await coord.redis.xreadgroup("trainer", "trainer", {coord.keys.trajectories: ">"}, count=2)
+    restarted = make_coord()
+    assert [t.group_id for t in await restarted.next_trajectories(10)] == ["g0", "g1"]
+    assert [t.group_id for t in await restarted.next_trajectories(10)] == ["g2"]
+    assert await restarted.next_trajectories(10) == []
+    assert (await restarted.stats())["trajectories_queued"] == 0
