@@ -116,6 +116,15 @@ def test_h2o_keeps_the_heaviest_accumulated_attention() -> None:
     assert kept == expected and lightest in kept[0]
 
 
+def test_h2o_prompt_accumulators_count_only_real_queries() -> None:
+    kv = KVConfig(policy="h2o", budget=16, buffer=4, keep_prompt=False)
+    cache = _drive(kv, [9, 4], steps=0)
+    # Each real prompt query spreads a total weight of 1 over the keys it sees; padding adds nothing.
+    totals = cache.attn_acc.sum(dim=-1)  # [layers, batch, kv_heads]
+    torch.testing.assert_close(totals[:, 0], torch.full((LAYERS, KV_HEADS), 9.0))
+    torch.testing.assert_close(totals[:, 1], torch.full((LAYERS, KV_HEADS), 4.0))
+
+
 def test_rkv_redundancy_penalises_duplicates_but_keeps_the_latest_copy() -> None:
     torch.manual_seed(0)
     keys = torch.randn(1, 1, 10, 16)

@@ -90,7 +90,8 @@ class KVCache:
         if self.attn_acc is not None and not self.kv.keep_prompt:
             # H2O over a compressible prompt: attention each prompt key received from the prompt.
             probs = self.grouped_probs(q, k, self._prefill_mask[:, :, None])  # [B, Hkv, G, T, T]
-            rows_ok = self._prefill_mask[:, 0, :, 0][:, None, None, :, None]  # padded queries add 0
+            query_ok = self._prefill_mask[:, 0].diagonal(dim1=-2, dim2=-1)  # [B, T]: t < prompt length
+            rows_ok = query_ok[:, None, None, :, None]  # padded queries add nothing
             self.attn_acc[layer, :, :, :width] = (probs * rows_ok).sum(dim=3).mean(dim=2)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self._prefill_mask, enable_gqa=True)
 

@@ -75,7 +75,7 @@ class LLMEngine:
         dev, model = self.device, self.model
         lengths = [len(p) for p in prompts]
         batch, width, max_new = len(prompts), max(lengths), params.max_new_tokens
-        seqs = [Sequence(i, n, max_new) for i, n in enumerate(lengths)]
+        seqs = [Sequence(i, n) for i, n in enumerate(lengths)]
         cache = KVCache(num_layers=model.num_layers, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
                         head_dim=model.head_dim, prompt_lengths=lengths,
                         capacity=cache_capacity(lengths, max_new, kv), kv=kv, dtype=self.dtype, device=dev)

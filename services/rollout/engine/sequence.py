@@ -11,7 +11,6 @@ from services.rollout.engine.config import FinishReason, GenerationOutput, KVSta
 class Sequence:
     index: int  # position in the request, also the row of the output buffers
     prompt_len: int
-    max_new_tokens: int
     num_generated: int = 0
     finish_reason: FinishReason | None = None
     peak_tokens: int = 0  # most tokens stored at once (per layer and KV head)
