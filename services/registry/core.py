@@ -422,9 +422,11 @@ class Registry:
             first = PlanStep(kind="snapshot", object=snap.snapshot, base_version=None, target_version=s, fingerprint=snap.fingerprint)
             steps = [first] + [patch_step(m.patch, m.version - 1, m) for m in chain]
             candidates.append((sum(st.object.size for st in steps), 3, "snapshot", steps))
-            # From the newest snapshot, one merged patch can replace the chain (fewer bytes, and
-            # one apply instead of b−s for a fresh worker).
-            if s == snapshots[-1] and 2 <= b - s <= self.settings.max_merge_lag:
+            # For a worker with no usable patch path, one merged patch from the newest snapshot
+            # can replace the chain (fewer bytes, one apply). Not built otherwise: a patch path
+            # is far smaller than any snapshot, so that merge would be wasted work.
+            patch_path = any(c[2] != "snapshot" for c in candidates)
+            if not patch_path and s == snapshots[-1] and 2 <= b - s <= self.settings.max_merge_lag:
                 merged = await self._merged(run, state, s, b)
                 if merged is not None:
                     candidates.append((snap.snapshot.size + merged.size, 3, "snapshot", [first, patch_step(merged, s, target)]))
