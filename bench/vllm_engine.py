@@ -90,6 +90,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "shape": args.shape, "dtype": args.dtype, "prompt": args.prompt, "gen": args.gen,
         "enforce_eager": args.eager, "multiprocessing": not args.in_process,
         "threads": args.threads if device.type == "cpu" else None,
+        # Other work on the machine skews CPU numbers (and their ratio, measured minutes apart).
+        "load_avg_1m_start": round(os.getloadavg()[0], 2),
     }
     with tempfile.TemporaryDirectory() as model_dir:
         torch.manual_seed(0)
@@ -124,6 +126,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "one_layer_ms": timed_reload(engine, one_layer, args.reloads),
         }
         print("reload", json.dumps(result["reload"]))
+    result["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
     return result
 
 
