@@ -132,16 +132,15 @@ def varint_decode(data: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def planes_encode(u: torch.Tensor, width: int) -> torch.Tensor:
-    """Byte-plane split: plane k = byte k of every value, planes low to high, concatenated."""
-    return torch.stack([((u >> (8 * k)) & 0xFF).to(torch.uint8) for k in range(width)]).view(-1)
+    """Byte-plane split: plane k = byte k of every value, planes low to high, concatenated.
+    Pure byte moves on the int64 little-endian layout (CPU and CUDA are little-endian)."""
+    return u.contiguous().view(torch.uint8).view(-1, 8)[:, :width].t().contiguous().view(-1)
 
 
 def planes_decode(data: torch.Tensor, width: int) -> torch.Tensor:
-    planes = data.view(width, -1).to(torch.int64)
-    u = planes[0].clone()
-    for k in range(1, width):
-        u |= planes[k] << (8 * k)
-    return u
+    out = torch.zeros(data.numel() // width, 8, dtype=torch.uint8, device=data.device)
+    out[:, :width] = data.view(width, -1).t()
+    return out.view(torch.int64).view(-1)
 
 
 def _compressor() -> zstandard.ZstdCompressor:
