@@ -180,6 +180,16 @@ def test_bad_input_is_refused(engine: VLLMEngine) -> None:
         engine.weights_updated({"model.layers.0.self_attn.nope.weight"})
 
 
+def test_bad_engine_options_are_refused(model_dir: Path) -> None:
+    from vllm.platforms import current_platform
+
+    other = "cuda" if current_platform.is_cpu() else "cpu"
+    with pytest.raises(ValueError, match="installed vLLM runs on"):
+        VLLMEngine.from_pretrained(model_dir, device=other)
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        VLLMEngine.from_pretrained(model_dir, device=current_platform.device_type, logprobs_mode="raw_logprobs")
+
+
 def test_patch_reaches_vllm(engine: VLLMEngine, model_dir: Path) -> None:
     """A trainer-side change (a q_proj, a gate_proj, the tied embedding, a norm) shipped as a patch:
     after apply + weights_updated, vLLM's outputs are those of transformers with the new weights."""
