@@ -1,4 +1,4 @@
-"""Sparse-KV engine benchmark: `python -m bench.engine [--device cpu] [--shape tiny] [--gen 512]`.
+"""Sparse-KV engine benchmark: `python -m bench.engine [--device cpu] [--shape tiny] [--gen 256]`.
 
 A Qwen3-shaped model with random weights (shared.modeling.qwen3_config, no download) generates
 `--gen` tokens for `--batch` random prompts of `--prompt` tokens, greedily (every sequence runs
@@ -9,7 +9,8 @@ to the full length, so all runs do the same work).
    a long run uses Sparse-RL's 128-step re-compression).
 2. Fixed KV memory: the dense batch's KV bytes are the memory budget; each policy at the 25%
    budget runs the largest batch whose cache fits in it, and its tokens/s is compared to dense.
-3. Baseline: transformers `generate` (same weights, greedy, same batch) against `dense`.
+3. Baseline: transformers `generate` (same weights, greedy, same batch) against a `dense` run made
+   right after it.
 
 Ratios are taken within one run on one device. JSON goes to bench/results/engine-<device>.json
 (CPU default) or engine-<device>-<shape>-gen<gen>.json for other shapes/lengths. GPU runs (the lead
@@ -119,6 +120,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rows.append(row)
 
     # Fixed KV memory: the dense batch's cache bytes, filled with as many sparse sequences as fit.
+    # Ratios use a dense run made next to them (a shared machine's speed drifts over minutes).
+    dense = run_engine(engine, prompts, gen, KVConfig())
+    print(json.dumps(dense))
     memory = dense["kv_bytes_allocated"]
     fixed = []
     for policy in policies:
@@ -128,6 +132,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         big_prompts = torch.randint(0, config.vocab_size, (big, args.prompt), generator=gen_rng).tolist()
         row = run_engine(engine, big_prompts, gen, kv)
         row["kv_memory_budget"] = memory
+        row["dense_batch"], row["dense_tokens_per_s"] = dense["batch"], dense["tokens_per_s"]
         row["tokens_per_s_vs_dense"] = round(row["tokens_per_s"] / dense["tokens_per_s"], 3)
         print(json.dumps(row))
         fixed.append(row)
@@ -140,6 +145,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         hf.tie_weights()
         run_transformers(hf, prompts[:2], 8, device)  # warm-up
         baseline = run_transformers(hf, prompts, gen, device)
+        dense = run_engine(engine, prompts, gen, KVConfig())
+        baseline["dense_tokens_per_s"] = dense["tokens_per_s"]
         baseline["dense_tokens_per_s_vs_transformers"] = round(dense["tokens_per_s"] / baseline["tokens_per_s"], 3)
         print(json.dumps(baseline))
         del hf
@@ -165,8 +172,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--shape", default="tiny", help="shared.modeling shape: tiny, small, 0.6b, 1.7b")
-    parser.add_argument("--gen", type=int, default=512, help="generated tokens per sequence")
-    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens per sequence")
+    parser.add_argument("--gen", type=int, default=256, help="generated tokens per sequence")
+    parser.add_argument("--prompt", type=int, default=16, help="prompt tokens per sequence")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16 on cuda, fp32 on cpu")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (1 is steadiest on a shared box)")
@@ -175,7 +182,7 @@ def main() -> None:
     parser.add_argument("--out", help="JSON path (default bench/results/engine-<device>[...].json)")
     args = parser.parse_args()
     device = torch.device(args.device).type
-    default_name = f"engine-{device}" if (args.shape, args.gen) == ("tiny", 512) else (
+    default_name = f"engine-{device}" if (args.shape, args.gen) == ("tiny", 256) else (
         f"engine-{device}-{args.shape}-gen{args.gen}")
     out = Path(args.out or f"bench/results/{default_name}.json")
     result = run(args)
