@@ -44,7 +44,7 @@ bench-registry: setup
 	$(PY) -m bench.registry $(BENCH_ARGS)
 
 bench-queue: setup
-	$(PY) -m bench.queue $(BENCH_ARGS)
+	$(PY) -m bench.coordination $(BENCH_ARGS)
 
 bench-engine: setup
 	$(PY) -m bench.engine $(BENCH_ARGS)

@@ -1,4 +1,4 @@
-"""Coordination benchmark: `python -m bench.queue [--workers 1 4 8] [--groups 20000]`.
+"""Coordination benchmark: `python -m bench.coordination [--workers 1 4 8] [--groups 20000]`.
 
 Measures claim + complete throughput (prompt groups per second) of shared.coord against a local
 Redis: by default a private redis-server started for the run (`--redis-url URL` uses another). Each worker is its own OS process with
