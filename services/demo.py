@@ -508,9 +508,10 @@ class Demo:
         self.start_redis()
         self.start_registry()
         model_dir = self.warm_start_model()
-        self.wait_ready(["registry"])
+        # The trainer boots while the registry may still be starting: its registry client
+        # retries refused connections, and loading the model takes longer anyway.
         self.start_trainer(model_dir)
-        self.wait_ready(["trainer"])  # it publishes v0 (snapshot and model files) before it is ready
+        self.wait_ready(["registry", "trainer"])  # the trainer publishes v0 before it is ready
         self.start_workers()
         self.wait_ready([f"rollout-{n}" for n in range(1, self.o.workers + 1)])
         env_file = self.write_env_file()
