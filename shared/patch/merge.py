@@ -48,10 +48,10 @@ def _fold(prev: _Folded | None, entry: TensorEntry, indices: torch.Tensor, paylo
         return _Folded(entry.shape, entry.dtype, indices, is_set, payload)
     if (prev.shape, prev.dtype) != (entry.shape, entry.dtype):
         raise TensorMismatchError(f"{entry.name}: shape/dtype changes along the chain")
-    union = torch.unique(torch.cat([prev.indices, indices]))  # sorted
+    union, where = torch.unique(torch.cat([prev.indices, indices]), return_inverse=True)  # sorted
     is_set = torch.zeros(union.numel(), dtype=torch.bool)
     value = torch.zeros(union.numel(), dtype=torch.int64)
-    at_prev, at_new = torch.searchsorted(union, prev.indices), torch.searchsorted(union, indices)
+    at_prev, at_new = where[: prev.indices.numel()], where[prev.indices.numel() :]
     is_set[at_prev], value[at_prev] = prev.is_set, prev.value
     if entry.encoding == "values":
         is_set[at_new], value[at_new] = True, payload
