@@ -51,7 +51,7 @@ class WarmstartRecipe(BaseModel):
     threads: int = 1  # tiny matmuls gain little from a 2nd thread, and 1 never spins under contention
     # Share of SFT examples per task; addition dominates because it is the RL demo task.
     task_mix: dict[str, float] = Field(default_factory=lambda: {"addition": 0.8, "sorting": 0.1, "countdown": 0.1})
-    task_options: dict[str, dict[str, int]] = Field(default_factory=lambda: {"addition": {"min_digits": 4, "max_digits": 10}})
+    task_options: dict[str, dict[str, int]] = Field(default_factory=lambda: {"addition": {"min_digits": 4, "max_digits": 8}})
     # Model: shared.modeling's "tiny" Qwen3 shape with the char vocab; `model_overrides` shrink it
     # further so SFT fits the two-minute CPU budget.
     shape: str = "tiny"
