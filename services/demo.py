@@ -41,6 +41,16 @@ TASK = "addition"
 READY_TIMEOUT_S = 300.0  # a cold start imports torch in four processes on two cores at once
 STOP_GRACE_S = 20.0
 POLL_S = 1.0
+# Runs in a child: says whether the cache holds the current recipe's model, then ensures it.
+WARMSTART_SCRIPT = """
+import sys
+from pathlib import Path
+from services.trainer.warmstart import WarmstartRecipe, ensure_warmstart_model, is_current
+recipe, cache = WarmstartRecipe(), Path(sys.argv[1])
+if not is_current(cache / f"warmstart-{recipe.fingerprint()[:16]}", recipe):
+    print("TRAINING", recipe.steps, flush=True)
+print("MODEL", ensure_warmstart_model(cache), flush=True)
+"""
 
 console = Console(highlight=False)
 
@@ -257,29 +267,31 @@ class Demo:
                 raise DemoFailed(f"--model {self.o.model}: not a HF model folder (no config.json)")
             return path
         cache = self.folder / "warmstart"
-        code = ("import sys; from services.trainer.warmstart import ensure_warmstart_model; "
-                "print('MODEL', ensure_warmstart_model(sys.argv[1]), flush=True)")
         env = self.base_env() | {"OMP_NUM_THREADS": "2"}
-        child = self.procs.start("warmstart", [sys.executable, "-c", code, str(cache)], env, cwd=self.state_dir)
-        self.say("building the warm-start model: a short SFT pass teaches the tiny model the tasks to partial "
-                 "accuracy (first run only, about 2 minutes on 2 cores; cached under "
-                 f"{cache})")
+        child = self.procs.start("warmstart", [sys.executable, "-c", WARMSTART_SCRIPT, str(cache)], env,
+                                 cwd=self.state_dir)
         step_line = re.compile(r"warmstart step (\d+)/(\d+) loss ([\d.]+)")
-        progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                            TimeElapsedColumn(), console=console, disable=not self.interactive)
-        seen = 0
+        progress = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console,
+                            disable=not self.interactive)
+        seen, announced = 0, False
         with progress:
-            task = progress.add_task("checking the cache", total=None)
+            task = progress.add_task("warm-start model: loading torch, checking the cache", total=None)
             while child.alive():
                 time.sleep(0.5)
                 lines = child.log_tail(1000).splitlines()
                 for line in lines[seen:]:
-                    if m := step_line.search(line):
+                    if line.startswith("TRAINING ") and not announced:
+                        announced = True
+                        self.say(f"building the warm-start model: a short SFT pass teaches the tiny model the tasks to "
+                                 f"partial accuracy ({line.split()[1]} steps; first run only, about 2 minutes on 2 "
+                                 f"idle cores; cached under {cache})")
+                        progress.update(task, description="SFT: starting")
+                    elif m := step_line.search(line):
                         done, total, loss = int(m[1]), int(m[2]), m[3]
-                        description = "evaluating" if done == total else f"SFT loss {loss}"
-                        progress.update(task, completed=done, total=total, description=description)
+                        text = f"SFT step {done}/{total}, loss {loss}" + (" — evaluating" if done == total else "")
+                        progress.update(task, completed=done, total=total, description=text)
                         if not self.interactive:
-                            self.say(f"  warm-start step {done}/{total}, loss {loss}")
+                            self.say(f"  {text}")
                 seen = len(lines)
         if child.popen.returncode != 0:
             raise DemoFailed(f"building the warm-start model failed (log {child.log}):\n{child.log_tail()}")
