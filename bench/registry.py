@@ -92,7 +92,7 @@ def free_port() -> int:
 @contextmanager
 def registry_process(port: int, store: Path) -> Iterator[str]:
     env = {
-        **os.environ, "PYTHONPATH": str(ROOT), "SPARSECAST_HOST": "127.0.0.1", "SPARSECAST_PORT": str(port),
+        **os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), "SPARSECAST_HOST": "127.0.0.1", "SPARSECAST_PORT": str(port),
         "SPARSECAST_STORE_URL": f"file://{store}", "SPARSECAST_API_TOKEN": TOKEN,
         "SPARSECAST_SNAPSHOT_EVERY": "0", "SPARSECAST_MAX_UPLOAD_BYTES": str(64 << 30),
     }
