@@ -321,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start Redis, the registry, the trainer and rollout workers as local processes, train the "
                     "warm-started tiny model on the addition task, show live progress, print a summary. "
                     "Ctrl-C stops every process it started.")
-    demo.add_argument("--steps", type=_positive, default=20, help="training steps (default %(default)s)")
+    demo.add_argument("--steps", type=_positive, default=15, help="training steps (default %(default)s)")
     demo.add_argument("--workers", type=_positive, default=2, help="rollout workers (default %(default)s)")
     demo.add_argument("--kv-policy", default="rkv", choices=["dense", "streaming", "snapkv", "h2o", "rkv"],
                       help="KV-cache policy of the workers (default %(default)s)")

@@ -65,7 +65,7 @@ class Interrupted(Exception):
 
 @dataclass
 class DemoOptions:
-    steps: int = 20
+    steps: int = 15
     workers: int = 2
     kv_policy: str = "rkv"
     kv_budget: int = 32
