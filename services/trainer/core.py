@@ -130,6 +130,8 @@ class Trainer:
                 f"registry run {self.settings.run!r} is at v{latest.version} ({latest.fingerprint}) but the trainer "
                 f"holds v{self.version} ({fp}): use another run name or the matching checkpoint")
         await self.coord.set_trainer_version(self.version)
+        c = self.settings.coord
+        await self.coord.set_inflight_limit(max(1, c.max_lag - c.staleness_bound) * self.settings.groups_per_step)
         self.state = "running"
 
     async def _publish_model_files(self) -> None:

@@ -94,6 +94,8 @@ class Coordinator:
                 self.keys.worker(worker_id),
                 self.keys.trainer_version,
                 self.keys.reclaim_cursor,
+                self.keys.trajectories,
+                self.keys.inflight_limit,
             ],
             args=[s.consumer_group, worker_id, max_groups, s.lease_ttl_ms, s.max_attempts, s.staleness_bound],
         )
@@ -104,7 +106,7 @@ class Coordinator:
         entries = [(decode(e[0]), int(e[1]), e[2]) for e in reply[1]]
         if not entries and block_ms > 0:
             fresh = await self.redis.xreadgroup(
-                s.consumer_group, worker_id, {self.keys.prompts: ">"}, count=max_groups, block=block_ms
+                s.consumer_group, worker_id, {self.keys.prompts: ">"}, count=int(reply[2]), block=block_ms
             )
             if fresh:
                 entries = [(decode(i), 1, fields) for i, fields in fresh[0][1]]
@@ -322,6 +324,11 @@ class Coordinator:
 
     async def set_trainer_version(self, version: int) -> None:
         await self.redis.set(self.keys.trainer_version, int(version))
+
+    async def set_inflight_limit(self, groups: int) -> None:
+        """Bound groups leased + trajectories unread (0 = unbounded). The trainer sets it to
+        (max_lag − staleness_bound) × groups per step, so no trajectory outlives max_lag."""
+        await self.redis.set(self.keys.inflight_limit, max(0, int(groups)))
 
     async def trainer_version(self) -> int:
         raw = await self.redis.get(self.keys.trainer_version)

@@ -39,6 +39,10 @@ class Keys:
         return f"{self.prefix}:trainer-version"
 
     @property
+    def inflight_limit(self) -> str:  # max groups leased + completed-but-unread; set by the trainer
+        return f"{self.prefix}:inflight-limit"
+
+    @property
     def workers(self) -> str:  # set of worker ids that registered (expired ones pruned on read)
         return f"{self.prefix}:workers"
 

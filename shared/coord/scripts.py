@@ -24,10 +24,14 @@ redis.call('HINCRBY', KEYS[2], 'enqueued', n)
 return {1, ids}
 """
 
-# KEYS: prompts, dead, stats, worker hash, trainer version, reclaim cursor.
+# KEYS: prompts, dead, stats, worker hash, trainer version, reclaim cursor, trajectories, in-flight limit.
 # ARGV: consumer group, worker id, count, lease ttl ms, max attempts, staleness bound.
-# -> {0} when the worker lags, else {1, {{entry id, attempt, fields}, ...}}.
+# -> {0} when the worker lags or the in-flight window is full, else
+#    {1, {{entry id, attempt, fields}, ...}, groups the caller may still take (window room)}.
 # Expired leases first (XAUTOCLAIM, attempt = delivery count), then new entries (attempt 1).
+# In-flight window: groups leased plus trajectories the trainer has not read yet stay within the
+# limit the trainer sets, so rollouts never run further ahead than the trainer can consume within
+# max_lag versions (docs/coordination.md).
 CLAIM = """
 local group, consumer, want = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local max_attempts = tonumber(ARGV[5])
@@ -38,6 +42,17 @@ if wv then
     redis.call('HINCRBY', KEYS[3], 'lagging_refusals', 1)
     return {0}
   end
+end
+local limit = tonumber(redis.call('GET', KEYS[8]) or '0')
+if limit > 0 then
+  local leased = 0
+  if redis.call('EXISTS', KEYS[1]) == 1 then leased = redis.call('XPENDING', KEYS[1], group)[1] end
+  local room = limit - leased - redis.call('XLEN', KEYS[7])
+  if room <= 0 then
+    redis.call('HINCRBY', KEYS[3], 'window_refusals', 1)
+    return {0}
+  end
+  if room < want then want = room end
 end
 local leases = {}
 local reclaimed, dead = 0, 0
@@ -77,7 +92,7 @@ if dead > 0 then
   redis.call('HINCRBY', KEYS[3], 'dead_letters', dead)
   redis.call('HINCRBY', KEYS[3], 'max_attempts_exceeded', dead)
 end
-return {1, leases}
+return {1, leases, want}
 """
 
 # KEYS: prompts. ARGV: consumer group, worker id, (entry id, attempt)...  -> entry ids still held.

@@ -10,6 +10,7 @@ COUNTERS: tuple[str, ...] = (
     "reclaims",  # leases taken over after their TTL expired
     "released",  # leases given back by their worker
     "lagging_refusals",  # claims refused because the worker's weights were too stale
+    "window_refusals",  # claims refused because the in-flight window (leased + unread) was full
     "completions",  # groups counted as completed (exactly one per group)
     "late_completions",  # of those, completed by an attempt whose lease had been reclaimed
     "duplicates",  # completions refused because the group was already completed

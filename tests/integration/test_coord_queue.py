@@ -200,3 +200,22 @@ async def test_complete_many_counts_each_group_once(make_coord: CoordFactory) ->
     with pytest.raises(ValueError):
         await coord.complete_many([(leases[0], trajectory(leases[2]))])
     assert (await coord.stats())["completions"] == 3
+
+
+async def test_inflight_window_bounds_leased_plus_unread(make_coord: CoordFactory) -> None:
+    """Workers cannot run further ahead than the trainer reads: leased + unread ≤ the window."""
+    coord = make_coord()
+    await coord.enqueue(groups(10))
+    await coord.set_inflight_limit(3)
+    first = await coord.claim("w1", 5)
+    assert len(first) == 3  # clipped to the window
+    assert await coord.claim("w2", 2) == [] and await coord.claim("w2", 2, block_ms=50) == []
+    for lease in first:
+        await coord.complete(lease, trajectory(lease))
+    assert await coord.claim("w2", 2) == []  # completed but unread still counts
+    assert len(await coord.next_trajectories(2)) == 2
+    assert [lease.group_id for lease in await coord.claim("w2", 5, block_ms=50)] == ["g3", "g4"]
+    stats = await coord.stats()
+    assert stats["window_refusals"] >= 3 and stats["leases_pending"] == 2 and stats["trajectories_queued"] == 1
+    await coord.set_inflight_limit(0)  # unbounded again
+    assert len(await coord.claim("w3", 10)) == 5
