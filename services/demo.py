@@ -267,6 +267,8 @@ class Demo:
                 raise DemoFailed(f"--model {self.o.model}: not a HF model folder (no config.json)")
             return path
         cache = self.folder / "warmstart"
+        for partial in cache.glob(".warmstart-*"):  # left by an interrupted build; only the demo uses this cache
+            shutil.rmtree(partial, ignore_errors=True)
         env = self.base_env() | {"OMP_NUM_THREADS": "2"}
         child = self.procs.start("warmstart", [sys.executable, "-c", WARMSTART_SCRIPT, str(cache)], env,
                                  cwd=self.state_dir)
@@ -283,8 +285,8 @@ class Demo:
                     if line.startswith("TRAINING ") and not announced:
                         announced = True
                         self.say(f"building the warm-start model: a short SFT pass teaches the tiny model the tasks to "
-                                 f"partial accuracy ({line.split()[1]} steps; first run only, about 2 minutes on 2 "
-                                 f"idle cores; cached under {cache})")
+                                 f"partial accuracy ({line.split()[1]} steps; a few minutes on 2 cores, first run "
+                                 f"only: cached under {cache})")
                         progress.update(task, description="SFT: starting")
                     elif m := step_line.search(line):
                         done, total, loss = int(m[1]), int(m[2]), m[3]
