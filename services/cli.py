@@ -329,7 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="KV tokens kept per sequence by sparse policies (default %(default)s)")
     demo.add_argument("--groups", type=_positive, default=8, help="prompt groups per step (default %(default)s)")
     demo.add_argument("--samples", type=_positive, default=8, help="samples per prompt (default %(default)s)")
-    demo.add_argument("--lr", type=float, default=2e-5, help="trainer learning rate (default %(default)s)")
+    demo.add_argument("--lr", type=float, default=3e-5,
+                      help="trainer learning rate (default %(default)s: the best of docs/training.md's RL-check sweep)")
     demo.add_argument("--keep-running", action="store_true",
                       help="after the last step keep the stack (and the dashboard) up until Ctrl-C")
     demo.add_argument("--dir", default="data/demo", help="folder for logs, the store and caches (default %(default)s)")

@@ -74,7 +74,7 @@ class DemoOptions:
     keep_running: bool = False
     folder: Path = Path("data/demo")
     model: str = "tiny-demo"  # or a HF model folder (skips the warm-start build)
-    lr: float = 2e-5
+    lr: float = 3e-5
     token: str | None = None
 
 
