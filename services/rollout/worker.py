@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 
@@ -21,6 +22,16 @@ from shared.schemas import KVStats, Sample, Trajectory, WorkerInfo
 from shared.tasks import get_task
 
 log = logging.getLogger(__name__)
+
+
+def batch_seed(leases: list[Lease]) -> int:
+    """Sampling seed of one engine batch, a pure function of its groups and delivery attempts.
+
+    Same groups on the same weights give the same samples (reproducible runs), while a redelivered
+    group (attempt + 1) draws fresh samples instead of repeating the ones that went missing.
+    """
+    key = "|".join(f"{lease.group_id}:{lease.attempt}" for lease in leases)
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1
 
 
 class RolloutWorker:
@@ -106,7 +117,8 @@ class RolloutWorker:
         max_new = max(self._max_new_tokens(lease) for lease, _ in runnable)
         prompts = [ids for lease, ids in runnable for _ in range(lease.group.samples)]
         params = SamplingParams(temperature=self.settings.temperature, top_p=self.settings.top_p,
-                                max_new_tokens=max_new, stop_token_ids=self.core.default_stop_ids())
+                                max_new_tokens=max_new, stop_token_ids=self.core.default_stop_ids(),
+                                seed=batch_seed([lease for lease, _ in runnable]))
         try:
             batch = await self.core.generate(prompts, params, self.core.kv_config())
         except Exception:
