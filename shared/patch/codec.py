@@ -43,6 +43,7 @@ DTYPES: dict[str, torch.dtype] = {
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MAX_VARINT_BYTES = 9  # 9 * 7 = 63 bits: every non-negative int64
 ZSTD_LEVEL = 1  # on these streams levels 3 and 6 were no smaller than 1 (measured), only slower
+_MASK_BYTES = 1 << 30  # changed-element masks (1 byte each) held before their counts are fetched
 _POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="sparsecast-zstd")
 _local = threading.local()
 
@@ -236,28 +237,77 @@ def check_pair(name: str, old: torch.Tensor, new: torch.Tensor) -> str:
     return dtype_name(new.dtype)
 
 
+def changed_indices(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Sorted flat indices (int64, on the old tensor's device) of the elements whose bit patterns
+    differ, for every tensor with at least one change, in name order. Checks names, shapes, dtypes.
+
+    Built for GPUs, where one nonzero per tensor costs a launch-bound host sync: each tensor is
+    compared by one kernel into a mask shared by the tensors of its size; then one count and one
+    nonzero_static (sized by the counts, so no sync) per mask; all counts reach the host in one
+    transfer per _MASK_BYTES of masks (one for a 1.7B model)."""
+    if set(old) != set(new):
+        missing = sorted(set(old) ^ set(new))[:5]
+        raise UnknownTensorError(f"old and new have different tensor names, e.g. {missing}")
+    names = sorted(new)
+    by_size: dict[tuple[torch.device, int], list[str]] = {}
+    for name in names:
+        check_pair(name, old[name], new[name])
+        by_size.setdefault((old[name].device, old[name].numel()), []).append(name)
+    found: dict[str, torch.Tensor] = {}
+    pending: list[tuple[list[str], torch.Tensor]] = []
+    held = 0
+    for (device, numel), members in by_size.items():
+        if numel == 0:
+            continue
+        per_mask = max(1, _MASK_BYTES // numel)
+        for start in range(0, len(members), per_mask):
+            batch = members[start : start + per_mask]
+            mask = torch.empty(len(batch), numel, dtype=torch.bool, device=device)
+            for row, name in enumerate(batch):
+                torch.ne(bits(old[name]), bits(new[name].to(device)), out=mask[row])
+            pending.append((batch, mask))
+            held += mask.numel()
+            if held >= _MASK_BYTES:
+                _collect_changes(pending, found)
+                pending, held = [], 0
+    _collect_changes(pending, found)
+    return {name: found[name] for name in names if name in found}
+
+
+def _collect_changes(pending: list[tuple[list[str], torch.Tensor]], found: dict[str, torch.Tensor]) -> None:
+    if not pending:
+        return
+    counts = [mask.sum(dim=1) for _, mask in pending]
+    host_counts = torch.cat([c.to(counts[0].device, non_blocking=True) for c in counts]).tolist()  # the sync
+    at = 0
+    for batch, mask in pending:
+        batch_counts, at = host_counts[at : at + len(batch)], at + len(batch)
+        total = sum(batch_counts)
+        if not total:
+            continue
+        flat = torch.nonzero_static(mask.view(-1), size=total).view(-1)
+        local = flat if len(batch) == 1 else flat % mask.shape[1]  # rows are tensors, in order
+        for name, indices in zip(batch, local.split(batch_counts), strict=True):
+            if indices.numel():
+                found[name] = indices
+
+
 def diff_states(
     old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], encoding: Encoding
 ) -> list[RawChange]:
     """Raw changes of every tensor that differs bitwise (compared as integers on their device)."""
-    if set(old) != set(new):
-        missing = sorted(set(old) ^ set(new))[:5]
-        raise UnknownTensorError(f"old and new have different tensor names, e.g. {missing}")
     raws = []
-    for name in sorted(new):
-        dtype = check_pair(name, old[name], new[name])
+    for name, indices in changed_indices(old, new).items():
         ob, nb = bits(old[name]), bits(new[name].to(old[name].device))
-        indices = torch.nonzero(ob != nb).view(-1)
-        if indices.numel():
-            width = nb.element_size()
-            new_u = to_unsigned(nb[indices], width)
-            delta = None
-            if encoding != "values":
-                delta = sparse_delta(to_unsigned(ob[indices], width), new_u, width)
-            raws.append(
-                raw_change(name, tuple(new[name].shape), dtype, width, indices,
-                           new_u=None if encoding == "bitdelta" else new_u, delta=delta)
-            )
+        width = nb.element_size()
+        new_u = to_unsigned(nb[indices], width)
+        delta = None
+        if encoding != "values":
+            delta = sparse_delta(to_unsigned(ob[indices], width), new_u, width)
+        raws.append(
+            raw_change(name, tuple(new[name].shape), dtype_name(new[name].dtype), width, indices,
+                       new_u=None if encoding == "bitdelta" else new_u, delta=delta)
+        )
     return raws
 
 
