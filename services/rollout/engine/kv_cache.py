@@ -8,8 +8,12 @@ but per-head policies keep different tokens in each head. Compression gathers th
 each (row, head) to the front, one layer at a time, so the extra memory it needs is one layer's
 worth and the batch's KV memory never depends on the generated length.
 
-Decode attention runs over the slots in use, masked per row: torch SDPA (each KV head's query heads
-batched as its queries, no K/V repeat), or, for H2O, grouped-query matmuls whose softmax weights it accumulates.
+Decode attention runs over the slots in use: torch SDPA (each KV head's query heads batched as its
+queries, no K/V repeat), or, for H2O, grouped-query matmuls whose softmax weights it accumulates.
+When every row stores the same number of tokens (equal prompts: a GRPO group, a benchmark) no mask
+is needed and SDPA can take its fastest (flash) kernel; otherwise one additive mask per step, over
+a span rounded up to `span_bucket` slots on CUDA so attention sees few distinct shapes (kernels
+that plan or allocate per shape do it a handful of times per batch, not every step).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from services.rollout.engine.policies import EvictionPolicy, make_policy
 class KVCache:
     def __init__(self, *, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  prompt_lengths: list[int], capacity: int, kv: KVConfig, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, span_bucket: int | None = None) -> None:
         batch = len(prompt_lengths)
         self.kv = kv
         self.policy: EvictionPolicy = make_policy(kv)
@@ -35,6 +39,7 @@ class KVCache:
         self.scale = 1.0 / math.sqrt(head_dim)
         self.capacity = capacity
         self.device = device
+        self.span_bucket = span_bucket or (128 if device.type == "cuda" else 1)
         shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -42,6 +47,9 @@ class KVCache:
         self.positions = torch.zeros(shape[:-1], dtype=torch.int32, device=device)
         self.q_window = (torch.zeros((num_layers, batch, num_heads, kv.window, head_dim), dtype=dtype,
                                      device=device) if self.policy.uses_query_window else None)
+        # q_window is a ring: the next decode query overwrites slot q_next (the oldest); prefill
+        # fills it oldest first, so it starts at 0. window_queries() returns it oldest first.
+        self.q_next = 0
         self.attn_acc = (torch.zeros(shape[:-1], dtype=torch.float32, device=device)
                          if self.policy.uses_accumulated_attention else None)
         self.prompt_lengths = list(prompt_lengths)
@@ -98,29 +106,44 @@ class KVCache:
     # ------------------------------------------------------------------ decode
     def begin_decode(self, positions: torch.Tensor) -> None:
         """Prepare one decode step; positions [B] are the logical positions of the new tokens."""
+        longest, shortest = max(self.lengths), min(self.lengths)
+        # Rows in lockstep write the same slot: plain slicing instead of an index_put per layer.
+        self._slot: int | None = longest if longest == shortest else None
         self._rows = torch.arange(self.batch, device=self.device)
         self._slots = self.lengths_t
-        self._span = max(self.lengths) + 1
-        span = torch.arange(self._span, device=self.device)
-        self._decode_mask = (span[None, :] <= self._slots[:, None])[:, None, None, :]  # [B, 1, 1, S]
-        self.positions[:, self._rows, :, self._slots] = positions.to(torch.int32)[:, None, None]
+        if self._slot is not None and self.attn_acc is None:
+            self._span, self._decode_mask, self._bias = longest + 1, None, None
+        else:
+            bucket = self.span_bucket
+            self._span = min(self.capacity, -(-(longest + 1) // bucket) * bucket)
+            slot = torch.arange(self._span, device=self.device)
+            self._decode_mask = (slot[None, :] <= self._slots[:, None])[:, None, None, :]  # [B, 1, 1, S]
+            # SDPA would turn a bool mask into this additive one in every layer; do it once per step.
+            self._bias = (torch.zeros(self._decode_mask.shape, dtype=self.k.dtype, device=self.device)
+                          .masked_fill_(~self._decode_mask, float("-inf")) if self.attn_acc is None else None)
+        if self._slot is not None:
+            self.positions[:, :, :, self._slot] = positions.to(torch.int32)[None, :, None]
+        else:
+            self.positions[:, self._rows, :, self._slots] = positions.to(torch.int32)[:, None, None]
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """AttendFn for one new token per row: q [B, Hq, 1, D], k/v [B, Hkv, 1, D]."""
         b = q.shape[0]
-        self.k[layer, self._rows, :, self._slots] = k[:, :, 0]
-        self.v[layer, self._rows, :, self._slots] = v[:, :, 0]
+        if self._slot is not None:
+            self.k[layer, :, :, self._slot] = k[:, :, 0]
+            self.v[layer, :, :, self._slot] = v[:, :, 0]
+        else:
+            self.k[layer, self._rows, :, self._slots] = k[:, :, 0]
+            self.v[layer, self._rows, :, self._slots] = v[:, :, 0]
         if self.q_window is not None:
-            qw = self.q_window[layer]
-            qw[:, :, :-1] = qw[:, :, 1:].clone()
-            qw[:, :, -1] = q[:, :, 0]
+            self.q_window[layer, :, :, self.q_next] = q[:, :, 0]
         keys = self.k[layer, :, :, : self._span]
         values = self.v[layer, :, :, : self._span]
         if self.attn_acc is None:
             # Fused kernel when no policy needs the weights. The G query heads of a KV head act as G
             # queries of that head, so no GQA support or K/V repeat is needed from the kernel.
             qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)
-            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self._decode_mask)
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self._bias)
             return out.view(b, self.num_heads, 1, self.head_dim)
         probs = self.grouped_probs(q, keys, self._decode_mask[:, :, None])  # [B, Hkv, G, 1, S]
         self.attn_acc[layer, :, :, : self._span] += probs[:, :, :, 0].mean(dim=2)
@@ -130,6 +153,13 @@ class KVCache:
     def end_decode(self) -> None:
         self.lengths = [n + 1 for n in self.lengths]
         self.lengths_t = self.lengths_t + 1
+        if self.q_window is not None:
+            self.q_next = (self.q_next + 1) % self.kv.window
+
+    def window_queries(self, layer: int) -> torch.Tensor:
+        """The last `window` queries of a layer, oldest first: [B, Hq, W, D]."""
+        assert self.q_window is not None
+        return self.q_window[layer].roll(-self.q_next, dims=2) if self.q_next else self.q_window[layer]
 
     def grouped_probs(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Softmax attention of q [B, Hq, T, D] over keys [B, Hkv, S, D] -> fp32 [B, Hkv, G, T, S].

@@ -94,8 +94,7 @@ def window_attention(cache: KVCache, layer: int, span: int) -> torch.Tensor:
     anyway, and (as in SnapKV / R-KV, which score only the keys before the window) must not
     lend their attention to neighbours through pooling.
     """
-    assert cache.q_window is not None
-    q = cache.q_window[layer]  # [B, Hq, W, D], oldest first
+    q = cache.window_queries(layer)  # [B, Hq, W, D], oldest first
     keys = cache.k[layer, :, :, :span]
     b, _, w, d = q.shape
     lengths = cache.lengths_t[:, None]

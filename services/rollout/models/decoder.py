@@ -40,10 +40,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # One op instead of six (the decode step is launch-bound); on CPU it runs the same fp32
+        # x * rsqrt(mean(x²) + eps) as transformers' eager RMSNorm, bit for bit.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -74,20 +73,20 @@ class RotaryEmbedding(nn.Module):
         return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [B, 1, T, D] for apply_rope (computed once per forward, shared by layers)."""
         freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        cos = (torch.cat((freqs, freqs), dim=-1).cos() * self.scaling).to(dtype)
+        # rotate_half(x) * sin == swap_halves(x) * cat(-sin₁, sin₂): negating sin instead of x is
+        # exact, and saves the per-layer neg + cat.
+        sin = (torch.cat((-freqs, freqs), dim=-1).sin() * self.scaling).to(dtype)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D]; cos/sin [B, T, D]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + _rotate_half(x) * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D]; cos/signed_sin [B, 1, T, D] from RotaryEmbedding (transformers' x·cos + rotate_half(x)·sin)."""
+    *lead, d = x.shape
+    swapped = x.unflatten(-1, (2, d // 2)).flip(-2).flatten(-2)
+    return x * cos + swapped * signed_sin
 
 
 class Attention(nn.Module):
