@@ -6,7 +6,8 @@ records the changed fraction, dense bf16 bytes, patch bytes for `values`, `bitde
 PULSE-style baseline (grail's codec, ../shared/REFERENCE.md §2, re-implemented below), whether the
 applied patch is bit-exact, and extract / encode / decode / apply / fingerprint seconds. After the
 steps: union sparsity and merged patch size for k = 2, 4, 8 steps. JSON goes to
-bench/results/patch-<device>.json. `--save-patches DIR` writes the base snapshot and every step's
+bench/results/patch-<device>.json, rewritten after every step (`complete` is false until the run
+ends). `--save-patches DIR` writes the base snapshot and every step's
 patch (the registry benchmark replays them).
 """
 
@@ -31,7 +32,7 @@ from transformers import Qwen3ForCausalLM
 
 from shared.modeling import qwen3_config
 from shared.patch import apply_patch, extract_patch, fingerprint, merge_patches, read_header, save_snapshot
-from shared.patch.codec import bits, compress, decode_patch, diff_states
+from shared.patch.codec import bits, changed_indices, compress, decode_patch, diff_states
 from shared.patch.format import parse_patch
 
 StateDict = dict[str, torch.Tensor]
@@ -112,7 +113,7 @@ def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
 
 def _extract_indices(old: StateDict, new: StateDict) -> int:
     """The extraction step alone: bitwise compare and changed positions of every tensor."""
-    return sum(int(torch.nonzero(bits(old[k]) != bits(new[k])).numel()) for k in sorted(new))
+    return sum(indices.numel() for indices in changed_indices(old, new).values())
 
 
 def _encoding_sizes(old: StateDict, new: StateDict, header_bytes: int) -> dict[str, int]:
@@ -136,8 +137,15 @@ def _device_name(device: torch.device) -> str:
     return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
 
 
+def output_path(args: argparse.Namespace) -> Path:
+    return Path(args.out or f"bench/results/patch-{torch.device(args.device).type}.json")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Runs the steps; rewrites the JSON after every step, so a run cut short keeps its rows."""
     device = torch.device(args.device)
+    out = output_path(args)
+    out.parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     config = qwen3_config(args.shape)
@@ -206,12 +214,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if step + 1 in _MERGE_K:
             union.append(_union_record(base, new, patches, device, args.merge))
             print(f"  union of {step + 1} steps: {union[-1]['changed_fraction']:.3%} changed")
+        partial = _report(args, device, params, dense_bytes, batch, seq, steps, union)
+        out.write_text(json.dumps(partial | {"complete": False}, indent=1))
         old = new
     if save_dir:
         manifest = {"run": args.run, "shape": args.shape, "base": "base.safetensors",
                     "patches": [f"patch-{s['step']:06d}.bin" for s in steps]}
         (save_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    return _report(args, device, params, dense_bytes, batch, seq, steps, union)
+    result = _report(args, device, params, dense_bytes, batch, seq, steps, union) | {"complete": True}
+    out.write_text(json.dumps(result, indent=1))
+    return result
 
 
 def _union_record(base: StateDict, new: StateDict, patches: list[bytes], device: torch.device, merge: bool) -> dict[str, Any]:
@@ -283,12 +295,9 @@ def main() -> None:
     else:
         torch.backends.cuda.matmul.allow_tf32 = True
     result = run(args)
-    out = Path(args.out or f"bench/results/patch-{torch.device(args.device).type}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result["summary"], indent=1))
     print(json.dumps(result["targets"], indent=1))
-    print(f"wrote {out}")
+    print(f"wrote {output_path(args)}")
 
 
 if __name__ == "__main__":
