@@ -4,23 +4,30 @@ A Qwen3-shaped model with random weights (shared.modeling.qwen3_config, no downl
 `--gen` tokens for `--batch` random prompts of `--prompt` tokens, greedily (every sequence runs
 to the full length, so all runs do the same work).
 
-1. Policies: tokens/s, allocated KV bytes and per-sequence peak KV for `dense` and each policy at
-   budgets of 25% and 50% of the generated length (keep_prompt; buffer = min(128, gen // 16), so
-   a long run uses Sparse-RL's 128-step re-compression).
-2. Fixed KV memory: the dense batch's KV bytes are the memory budget; each policy at the 25%
-   budget runs the largest batch whose cache fits in it, and its tokens/s is compared to dense.
-3. Baseline: transformers `generate` (same weights, greedy, same batch) against a `dense` run made
-   right after it.
+0. Overhead proxy: aten ops dispatched per decode step (torch.profiler, CPU side) for `dense` and
+   each policy, a device-independent count of what a launch-bound step pays for.
+1. Policies: tokens/s, ms per decode step, allocated KV bytes and per-sequence peak KV for `dense`
+   and each policy at budgets of `--fractions` (default 25% and 50%) of the generated length
+   (keep_prompt; buffer = min(128, gen // 16), so a long run uses Sparse-RL's 128-step
+   re-compression).
+2. Fixed KV memory: the dense batch's KV bytes are the memory budget; each policy at the smallest
+   fraction's budget runs the largest batch whose cache fits in it, and its tokens/s is compared to dense.
+3. Baseline: transformers `generate` (same weights, greedy, same batch) against a `dense` run.
 
-Ratios are taken within one run on one device. JSON goes to bench/results/engine-<device>.json
-(CPU default) or engine-<device>-<shape>-gen<gen>.json for other shapes/lengths. GPU runs (the lead
-runs them): `python -m bench.engine --device cuda --shape 0.6b --gen 4096 --batch 32`
-(then 1.7b, and --gen 8192 with a smaller --batch); `--policies rkv` to shorten a run.
+Ratios are taken within one run on one device; sections 2 and 3 re-run dense next to their rows
+(a shared machine drifts over minutes) unless `--reuse-dense` (a dedicated GPU: saves two dense
+runs). The JSON is rewritten after every row, so a run cut off by a time limit keeps what it
+measured ("complete": false until the end). It goes to bench/results/engine-<device>.json (CPU
+default) or engine-<device>-<shape>-gen<gen>.json for other shapes/lengths. GPU runs (the lead
+runs them; each fits ~8 minutes on an H200, see docs/engine.md):
+`python -m bench.engine --device cuda --shape 0.6b --gen 4096 --batch 32 --reuse-dense`
+and `--shape 1.7b --gen 8192 --batch 16 --fractions 0.25 --policies rkv streaming --reuse-dense`.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import platform
 import time
@@ -28,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from transformers import Qwen3ForCausalLM
 
 from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
@@ -66,12 +74,36 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], gen: int, kv: KVConf
         "policy": kv.policy, "budget": kv.budget if kv.policy != "dense" else None,
         "buffer": kv.buffer if kv.policy != "dense" else None, "batch": len(prompts),
         "tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
+        "ms_per_step": round(1000 * seconds / gen, 3),
         "kv_bytes_allocated": engine.last_batch_kv_bytes,
         "peak_kv_tokens_per_seq": max(o.kv.peak_tokens for o in outs),
         "peak_kv_bytes_per_seq": max(o.kv.peak_bytes for o in outs),
         "evicted_per_seq": max(o.kv.evicted for o in outs),
         "peak_device_bytes": peak_device,
     }
+
+
+def ops_per_decode_step(engine: LLMEngine, prompts: list[list[int]], kv: KVConfig) -> dict[str, float]:
+    """aten ops dispatched per decode step: the difference of a 12- and a 4-token generate, over 8 steps.
+
+    `all` counts every aten call (views included: each costs host time); `ops` leaves out the
+    view/metadata ops that launch no kernel.
+    """
+    def count(steps: int) -> collections.Counter[str]:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=steps), kv)
+        return collections.Counter({e.key: e.count for e in prof.key_averages() if e.key.startswith("aten::")})
+
+    diff = count(12)
+    diff.subtract(count(4))
+    return {"all": sum(diff.values()) / 8,
+            "ops": sum(n for name, n in diff.items() if name[6:] not in _VIEW_OPS) / 8}
+
+
+# aten ops that only make views or read metadata (no kernel launch of their own).
+_VIEW_OPS = frozenset("""as_strided view transpose reshape slice select narrow unsqueeze squeeze expand t permute
+    _unsafe_view resolve_conj resolve_neg result_type empty empty_strided empty_like chunk split unbind detach alias
+    unflatten flatten lift_fresh _reshape_alias contiguous matmul linear to type_as scalar_tensor""".split())
 
 
 def run_transformers(model: Qwen3ForCausalLM, prompts: list[list[int]], gen: int, device: torch.device) -> dict:
@@ -88,7 +120,8 @@ def run_transformers(model: Qwen3ForCausalLM, prompts: list[list[int]], gen: int
             "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1), "peak_device_bytes": peak_device}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
+    """Runs the sections, calling save(result) after every row; returns the finished result."""
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     if device.type == "cpu":
@@ -105,12 +138,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = torch.randint(0, config.vocab_size, (batch, args.prompt), generator=gen_rng).tolist()
     buffer = min(128, max(1, gen // 16))
     policies = args.policies or list(POLICIES)
+    fractions = sorted(args.fractions)
+    rows: list[dict[str, Any]] = []
+    fixed: list[dict[str, Any]] = []
+    result: dict[str, Any] = {
+        "benchmark": "engine", "complete": False,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "threads": torch.get_num_threads() if device.type == "cpu" else None,
+        "shape": args.shape, "dtype": str(dtype).removeprefix("torch."), "prompt_tokens": args.prompt,
+        "generated_tokens": gen, "batch": batch, "buffer": buffer, "fractions": fractions,
+        "reuse_dense": args.reuse_dense, "kv_bytes_per_token": engine.kv_bytes_per_token(),
+        "ops_per_decode_step": {}, "policies": rows, "fixed_kv_memory": fixed, "transformers_generate": None,
+    }
 
     engine.generate(prompts[:2], SamplingParams(temperature=0.0, max_new_tokens=8), KVConfig())  # warm-up
-    dense = run_engine(engine, prompts, gen, KVConfig())
+    small = int(gen * fractions[0])
+    for policy in ("dense", *policies):
+        kv = KVConfig(policy=policy, budget=max(small, 8), buffer=buffer) if policy != "dense" else KVConfig()
+        result["ops_per_decode_step"][policy] = ops_per_decode_step(engine, prompts, kv)
+    print(json.dumps({"ops_per_decode_step": result["ops_per_decode_step"]}))
+    save(result)
+
+    first_dense = dense = run_engine(engine, prompts, gen, KVConfig())
     print(json.dumps(dense))
-    rows = [dense]
-    for fraction in (0.25, 0.5):
+    rows.append(dense)
+    save(result)
+    for fraction in fractions:
         for policy in policies:
             row = run_engine(engine, prompts, gen, KVConfig(policy=policy, budget=int(gen * fraction), buffer=buffer))
             row["budget_fraction"] = fraction
@@ -118,15 +171,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row["tokens_per_s_vs_dense"] = round(row["tokens_per_s"] / dense["tokens_per_s"], 3)
             print(json.dumps(row))
             rows.append(row)
+            save(result)
+
+    def dense_again() -> dict[str, Any]:
+        # On a shared machine speed drifts over minutes: ratios use a dense run made next to them.
+        if args.reuse_dense:
+            return first_dense
+        again = run_engine(engine, prompts, gen, KVConfig())
+        print(json.dumps(again))
+        return again
 
     # Fixed KV memory: the dense batch's cache bytes, filled with as many sparse sequences as fit.
-    # Ratios use a dense run made next to them (a shared machine's speed drifts over minutes).
-    dense = run_engine(engine, prompts, gen, KVConfig())
-    print(json.dumps(dense))
+    dense = dense_again()
     memory = dense["kv_bytes_allocated"]
-    fixed = []
     for policy in policies:
-        kv = KVConfig(policy=policy, budget=gen // 4, buffer=buffer)
+        kv = KVConfig(policy=policy, budget=small, buffer=buffer)
         per_seq = cache_capacity([args.prompt], gen, kv) * engine.kv_bytes_per_token()
         big = max(1, memory // per_seq)
         big_prompts = torch.randint(0, config.vocab_size, (big, args.prompt), generator=gen_rng).tolist()
@@ -136,6 +195,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         row["tokens_per_s_vs_dense"] = round(row["tokens_per_s"] / dense["tokens_per_s"], 3)
         print(json.dumps(row))
         fixed.append(row)
+        save(result)
 
     baseline = None
     if not args.skip_transformers:
@@ -145,27 +205,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         hf.tie_weights()
         run_transformers(hf, prompts[:2], 8, device)  # warm-up
         baseline = run_transformers(hf, prompts, gen, device)
-        dense = run_engine(engine, prompts, gen, KVConfig())
+        del hf
+        dense = dense_again()
         baseline["dense_tokens_per_s"] = dense["tokens_per_s"]
         baseline["dense_tokens_per_s_vs_transformers"] = round(dense["tokens_per_s"] / baseline["tokens_per_s"], 3)
         print(json.dumps(baseline))
-        del hf
+        result["transformers_generate"] = baseline
 
-    quarter = [r for r in rows if r.get("budget_fraction") == 0.25]
-    return {
-        "benchmark": "engine",
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "threads": torch.get_num_threads() if device.type == "cpu" else None,
-        "shape": args.shape, "dtype": str(dtype).removeprefix("torch."), "prompt_tokens": args.prompt,
-        "generated_tokens": gen, "batch": batch, "buffer": buffer,
-        "kv_bytes_per_token": engine.kv_bytes_per_token(),
-        "policies": rows, "fixed_kv_memory": fixed, "transformers_generate": baseline,
-        "summary": {
-            "worst_kv_vs_dense_at_25pct_budget": max(r["kv_vs_dense"] for r in quarter),
-            "best_tokens_per_s_vs_dense_at_equal_kv_memory": max(r["tokens_per_s_vs_dense"] for r in fixed),
-            "dense_vs_transformers_generate": baseline and baseline["dense_tokens_per_s_vs_transformers"],
-        },
+    smallest = [r for r in rows if r.get("budget_fraction") == fractions[0]]
+    result["complete"] = True
+    result["summary"] = {
+        "smallest_budget_fraction": fractions[0],
+        "worst_kv_vs_dense_at_smallest_budget": max(r["kv_vs_dense"] for r in smallest),
+        "best_tokens_per_s_vs_dense_at_equal_kv_memory": max(r["tokens_per_s_vs_dense"] for r in fixed),
+        "dense_vs_transformers_generate": baseline and baseline["dense_tokens_per_s_vs_transformers"],
     }
+    return result
 
 
 def main() -> None:
@@ -178,6 +233,10 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16 on cuda, fp32 on cpu")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (1 is steadiest on a shared box)")
     parser.add_argument("--policies", nargs="*", choices=POLICIES)
+    parser.add_argument("--fractions", nargs="+", default=["0.25", "0.5"],
+                        help="budgets as fractions of --gen (the smallest also sets the fixed-memory budget)")
+    parser.add_argument("--reuse-dense", action="store_true",
+                        help="compare sections 2 and 3 with the first dense run instead of re-running dense")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--out", help="JSON path (default bench/results/engine-<device>[...].json)")
     args = parser.parse_args()
@@ -185,9 +244,22 @@ def main() -> None:
     default_name = f"engine-{device}" if (args.shape, args.gen) == ("tiny", 256) else (
         f"engine-{device}-{args.shape}-gen{args.gen}")
     out = Path(args.out or f"bench/results/{default_name}.json")
-    result = run(args)
+    try:  # `--fractions 0.25 0.5` or `--fractions "0.25 0.5"`
+        args.fractions = [float(f) for arg in args.fractions for f in arg.replace(",", " ").split()]
+    except ValueError as exc:
+        parser.error(f"--fractions: {exc}")
+    if not args.fractions or any(not 0 < f <= 1 for f in args.fractions):
+        parser.error("--fractions must lie in (0, 1]")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+
+    def save(result: dict[str, Any]) -> None:
+        # Write-then-rename: a run killed mid-write still leaves the previous complete file.
+        tmp = out.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        tmp.replace(out)
+
+    result = run(args, save)
+    save(result)
     print(json.dumps(result["summary"]), "->", out)
 
 
