@@ -9,6 +9,7 @@ failure falls back to the snapshot path; nothing unverified is ever served.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -65,14 +66,16 @@ class WeightSync:
         backoff = self.poll_s
         while not stop.is_set():
             try:
-                target = await self.client.wait_for_version(self.core.weights.version, timeout=30.0, poll_s=self.poll_s)
+                target = await _unless_stopped(
+                    self.client.wait_for_version(self.core.weights.version, timeout=30.0, poll_s=self.poll_s), stop)
                 if target is not None and target > self.core.weights.version:
                     await self.sync_to(target)
                 backoff = self.poll_s
             except (SyncFailed, RegistryHTTPError, httpx.HTTPError, OSError) as exc:
                 self.failures += 1
                 log.warning("weight sync failed (%s); retrying in %.1fs", exc, backoff)
-                await asyncio.sleep(backoff)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=backoff)
                 backoff = min(backoff * 2, 30.0)
 
     async def sync_to(self, target: int | None = None) -> int:
@@ -154,3 +157,17 @@ class WeightSync:
             core.engine.weights_updated(set(tensors))
             core.weights.version, core.weights.fingerprint = plan.to_version, fp
             return plan.to_version
+
+
+async def _unless_stopped(coro, stop: asyncio.Event):
+    """Await `coro`, but cancel it and return None as soon as `stop` is set (prompt shutdown)."""
+    task, stopper = asyncio.ensure_future(coro), asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return task.result() if not task.cancelled() else None

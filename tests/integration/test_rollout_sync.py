@@ -206,3 +206,41 @@ def test_worker_loop_completes_groups_with_rewards(
             assert s.kv.peak_tokens <= len(s.prompt_ids) + 8 + 4
     assert stats["completions"] == 3
     assert [w.worker_id for w in workers] == ["w1"] and workers[0].kv_policy == policy
+
+
+def test_sigterm_stops_a_syncing_worker_promptly(tmp_path: Path, tiny_model_dir: str) -> None:
+    """A worker idling in its version wait must still shut down at once on SIGTERM."""
+    run = "term"
+    reg_settings = RegistrySettings(store_url=f"file://{tmp_path / 'store'}", api_token=TOKEN, snapshot_every=0)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with serve_app(create_registry(reg_settings)) as registry_url:
+        api = f"{registry_url}/v1/runs/{run}"
+        for name in MODEL_FILES:
+            httpx.put(f"{api}/model/{name}", content=(Path(tiny_model_dir) / name).read_bytes(), headers=auth)
+        httpx.put(f"{api}/snapshots/0", content=save_snapshot(_weights(tiny_model_dir), run=run, version=0),
+                  headers=auth)
+        port = free_port()
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "SPARSECAST_PORT": str(port), "SPARSECAST_MODEL": "",
+               "SPARSECAST_REGISTRY_URL": registry_url, "SPARSECAST_RUN": run, "SPARSECAST_REDIS_URL": "",
+               "SPARSECAST_DEVICE": "cpu", "SPARSECAST_DATA_DIR": str(tmp_path / "w")}
+        proc = subprocess.Popen([sys.executable, "-m", "services.rollout"], env=env, cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            _wait_for(lambda: _ready(f"http://127.0.0.1:{port}"), timeout=120, every=0.2)
+            time.sleep(1.0)  # the sync loop is now inside its 30 s version wait
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            # uvicorn shuts down gracefully, then re-raises the signal: exit status -SIGTERM.
+            assert proc.wait(timeout=15) in (0, -signal.SIGTERM)
+            assert time.monotonic() - t0 < 10
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/readyz", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
