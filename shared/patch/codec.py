@@ -237,14 +237,18 @@ def check_pair(name: str, old: torch.Tensor, new: torch.Tensor) -> str:
     return dtype_name(new.dtype)
 
 
-def changed_indices(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def changed_indices(
+    old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *, batched: bool | None = None
+) -> dict[str, torch.Tensor]:
     """Sorted flat indices (int64, on the old tensor's device) of the elements whose bit patterns
     differ, for every tensor with at least one change, in name order. Checks names, shapes, dtypes.
 
-    Built for GPUs, where one nonzero per tensor costs a launch-bound host sync: each tensor is
-    compared by one kernel into a mask shared by the tensors of its size; then one count and one
-    nonzero_static (sized by the counts, so no sync) per mask; all counts reach the host in one
-    transfer per _MASK_BYTES of masks (one for a 1.7B model)."""
+    `batched` (default: for tensors off the CPU) is built for GPUs, where one nonzero per tensor
+    costs a launch-bound host sync: each tensor is compared by one kernel into a mask shared by
+    the tensors of its size; then one count and one nonzero_static (sized by the counts, so no
+    sync) per mask; all counts reach the host in one transfer per _MASK_BYTES of masks (one for a
+    1.7B model). On a CPU there is no sync to save, and counting bool masks costs more than a
+    nonzero per tensor (measured), so it compares and calls nonzero tensor by tensor."""
     if set(old) != set(new):
         missing = sorted(set(old) ^ set(new))[:5]
         raise UnknownTensorError(f"old and new have different tensor names, e.g. {missing}")
@@ -254,6 +258,14 @@ def changed_indices(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Ten
         check_pair(name, old[name], new[name])
         by_size.setdefault((old[name].device, old[name].numel()), []).append(name)
     found: dict[str, torch.Tensor] = {}
+    if batched is None:
+        batched = any(device.type != "cpu" for device, _ in by_size)
+    if not batched:
+        for name in names:
+            indices = torch.nonzero(bits(old[name]) != bits(new[name].to(old[name].device))).view(-1)
+            if indices.numel():
+                found[name] = indices
+        return found
     pending: list[tuple[list[str], torch.Tensor]] = []
     held = 0
     for (device, numel), members in by_size.items():

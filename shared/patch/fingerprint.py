@@ -119,7 +119,10 @@ def _short_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
     device = words[0].device
     lengths = torch.tensor([w.numel() for w in words], dtype=torch.int64)
     starts = (torch.cumsum(lengths, 0) - lengths).to(device, non_blocking=True)
-    segment = torch.repeat_interleave(torch.arange(len(words), device=device), lengths.to(device), output_size=int(lengths.sum()))
+    # non_blocking: a plain host-to-GPU copy would wait for every kernel queued before it.
+    segment = torch.repeat_interleave(
+        torch.arange(len(words), device=device), lengths.to(device, non_blocking=True), output_size=int(lengths.sum())
+    )
     flat = torch.cat(words)
     position = torch.arange(flat.numel(), device=device) - starts[segment]
     terms = _mix(flat) * _columns(device)[position]
@@ -129,14 +132,13 @@ def _short_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def _stacked_words(tensors: list[torch.Tensor], n_words: int) -> torch.Tensor:
     """[k, n_words] int64: the bytes of k tensors of one byte size, each zero-padded to whole
-    words. Always a fresh buffer, so callers may mix it in place; stacking bytes (not int64 views)
-    also accepts views whose storage offset is not 8-byte aligned."""
+    words. Always a fresh buffer, so callers may mix it in place."""
     raws = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
     n_bytes = raws[0].numel()
-    if n_bytes == 8 * n_words:
-        return torch.stack(raws).view(torch.int64)
+    if n_bytes == 8 * n_words and all(r.storage_offset() % 8 == 0 for r in raws):
+        return torch.stack([r.view(torch.int64) for r in raws])  # 8-byte elements: wide copies
     out = torch.zeros(len(raws), 8 * n_words, dtype=torch.uint8, device=raws[0].device)
-    out[:, :n_bytes] = torch.stack(raws)
+    out[:, :n_bytes] = torch.stack(raws)  # rare: a tail word or a view starting mid-word
     return out.view(torch.int64)
 
 
@@ -162,34 +164,38 @@ def _stack_sums(tensors: list[torch.Tensor], n_words: int) -> torch.Tensor:
     return total
 
 
-def device_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """[tensor_sum(t) for t in tensors] as one int64 tensor (all on one device), in batches:
-    tensors of one byte size are stacked (at most 2**16 rows, 512 MiB, per stack), and all those
-    shorter than a row go through one segmented pass. No host sync."""
+def device_sums(tensors: list[torch.Tensor], *, stacked: bool | None = None) -> torch.Tensor:
+    """[tensor_sum(t) for t in tensors] as one int64 tensor (all on one device), no host sync.
+    Those shorter than a row go through one segmented pass. With `stacked` (default: off the CPU,
+    where launches, not memory passes, are the cost) tensors of one byte size are stacked, at most
+    2**16 rows (512 MiB) per stack; on a CPU the stack copy costs more than it saves (measured)."""
     if not tensors:
         return torch.zeros(0, dtype=torch.int64)
     device = tensors[0].device
+    if stacked is None:
+        stacked = device.type != "cpu"
     by_size: dict[int, list[int]] = {}  # byte size (0: shorter than a row) -> tensor positions
     for i, t in enumerate(tensors):
         n_bytes = t.numel() * t.element_size()
         by_size.setdefault(n_bytes if n_bytes >= 8 * _ROW else 0, []).append(i)
-    order: list[int] = []
-    parts: list[torch.Tensor] = []
+    # The plan, on the host: (words per tensor, 0 for the short ones; tensor positions).
+    batches: list[tuple[int, list[int]]] = []
     for n_bytes, members in by_size.items():
-        if n_bytes == 0:
-            parts.append(_short_sums([tensors[i] for i in members]))
-            order += members
-            continue
-        n = (n_bytes + 7) // 8
-        per_stack = max(1, _SLICE_ROWS // (n // _ROW))
-        for start in range(0, len(members), per_stack):
-            batch = members[start : start + per_stack]
-            parts.append(_stack_sums([tensors[i] for i in batch], n))
-            order += batch
-    position = [0] * len(order)  # inverse permutation, on the host: one gather back to input order
-    for j, i in enumerate(order):
+        n_words = (n_bytes + 7) // 8
+        per_stack = len(members) if not n_words else max(1, _SLICE_ROWS // (n_words // _ROW)) if stacked else 1
+        batches += [(n_words, members[start : start + per_stack]) for start in range(0, len(members), per_stack)]
+    position = [0] * len(tensors)  # where each input's sum lands in the concatenated batch sums
+    for j, i in enumerate(i for _, members in batches for i in members):
         position[i] = j
-    return torch.cat(parts)[torch.tensor(position, device=device)]
+    gather = torch.tensor(position).to(device, non_blocking=True)  # copied before any kernel is queued
+    parts = []
+    for n_words, members in batches:
+        batch = [tensors[i] for i in members]
+        if not n_words:
+            parts.append(_short_sums(batch))
+        else:
+            parts.append(_stack_sums(batch, n_words) if stacked else tensor_sum(batch[0]).view(1))
+    return torch.cat(parts)[gather]
 
 
 def fingerprint(state: Mapping[str, torch.Tensor]) -> str:

@@ -39,7 +39,9 @@ def test_device_sums_equal_the_per_tensor_reduction(monkeypatch, slice_rows):
     tensors = mixed_tensors()
     monkeypatch.setattr(fp, "_SLICE_ROWS", slice_rows)  # 1: every stack of one tensor, row by row
     copies = [t.clone() for t in tensors]
-    assert fp.device_sums(tensors).tolist() == [int(fp.tensor_sum(t)) for t in tensors]
+    reference = [int(fp.tensor_sum(t)) for t in tensors]
+    assert fp.device_sums(tensors, stacked=True).tolist() == reference
+    assert fp.device_sums(tensors, stacked=False).tolist() == reference
     assert all(torch.equal(a, b) for a, b in zip(tensors, copies, strict=True))  # read, never mixed in place
 
 
@@ -88,7 +90,10 @@ def test_changed_indices_equal_per_tensor_nonzero(monkeypatch, mask_bytes):
         nz = torch.nonzero(bits(old[name]) != bits(new[name])).view(-1)
         if nz.numel():
             reference[name] = nz
-    got = changed_indices(old, new)
+    got = changed_indices(old, new, batched=True)
+    assert {k: v.tolist() for k, v in changed_indices(old, new, batched=False).items()} == {
+        k: v.tolist() for k, v in got.items()
+    }
     assert list(got) == list(reference) == ["a_scalar", "c_bf16", "d_f16", "e_f32", "g_f32", "h_all"]
     for name, indices in reference.items():
         assert got[name].dtype == torch.int64 and torch.equal(got[name], indices), name
