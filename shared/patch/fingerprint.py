@@ -12,12 +12,12 @@ tensor's name, dtype and shape through blake2b. Reading 16-bit weights as 64-bit
 memory traffic to a few bytes per weight.
 
 Speed on a GPU is bound by kernel launches, not memory, when tensors are reduced one by one (a
-28-layer model has ~310 tensors but only ~11 distinct sizes), so fingerprint() stacks tensors of
-the same size into one int64 buffer (a copy: ~1 ms per 4 GB at H200 memory speed) and reduces each
-stack with a handful of kernels, in place; tensors shorter than one 1024-word row (norms, biases)
-are reduced together in one segmented pass. All sums reach the host in one transfer per device.
-tensor_sum() is the plain per-tensor reduction, kept as the reference the batched paths are
-tested against.
+28-layer model has ~310 tensors but only ~11 distinct sizes), so on a GPU fingerprint() stacks
+tensors of the same byte size into one int64 buffer (a copy: ~2 ms for 3.4 GB at H200 memory
+speed) and reduces each stack with a handful of kernels, in place. On a CPU launches are cheap and
+memory passes are not, so there each tensor is reduced alone (tensor_sum). Everywhere, tensors
+shorter than one 1024-word row (norms, biases) are reduced together in one segmented pass, and all
+sums reach the host in one transfer per device.
 """
 
 from __future__ import annotations
@@ -182,7 +182,12 @@ def device_sums(tensors: list[torch.Tensor], *, stacked: bool | None = None) -> 
     batches: list[tuple[int, list[int]]] = []
     for n_bytes, members in by_size.items():
         n_words = (n_bytes + 7) // 8
-        per_stack = len(members) if not n_words else max(1, _SLICE_ROWS // (n_words // _ROW)) if stacked else 1
+        if not n_words:
+            per_stack = len(members)  # the short ones: one segmented pass
+        elif stacked:
+            per_stack = max(1, _SLICE_ROWS // (n_words // _ROW))
+        else:
+            per_stack = 1
         batches += [(n_words, members[start : start + per_stack]) for start in range(0, len(members), per_stack)]
     position = [0] * len(tensors)  # where each input's sum lands in the concatenated batch sums
     for j, i in enumerate(i for _, members in batches for i in members):
