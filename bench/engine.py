@@ -6,15 +6,15 @@ to the full length, so all runs do the same work).
 
 0. Overhead proxy: aten ops dispatched per decode step (torch.profiler, CPU side) for `dense` and
    each policy, a device-independent count of what a launch-bound step pays for.
-1. Policies: tokens/s, ms per decode step, allocated KV bytes and per-sequence peak KV for `dense`
+1. Baseline: transformers `generate` (same weights, greedy, same batch) against a `dense` run.
+2. Policies: tokens/s, ms per decode step, allocated KV bytes and per-sequence peak KV for `dense`
    and each policy at budgets of `--fractions` (default 25% and 50%) of the generated length
    (keep_prompt; buffer = min(128, gen // 16), so a long run uses Sparse-RL's 128-step
    re-compression).
-2. Fixed KV memory: the dense batch's KV bytes are the memory budget; each policy at the smallest
+3. Fixed KV memory (`--skip-fixed` skips it): the dense batch's KV bytes are the memory budget; each policy at the smallest
    fraction's budget runs the largest batch whose cache fits in it, and its tokens/s is compared to dense.
-3. Baseline: transformers `generate` (same weights, greedy, same batch) against a `dense` run.
 
-Ratios are taken within one run on one device; sections 2 and 3 re-run dense next to their rows
+Ratios are taken within one run on one device; sections 1 and 3 re-run dense next to their rows
 (a shared machine drifts over minutes) unless `--reuse-dense` (a dedicated GPU: saves two dense
 runs). The JSON is rewritten after every row, so a run cut off by a time limit keeps what it
 measured ("complete": false until the end). It goes to bench/results/engine-<device>.json (CPU
@@ -86,24 +86,31 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], gen: int, kv: KVConf
 def ops_per_decode_step(engine: LLMEngine, prompts: list[list[int]], kv: KVConfig) -> dict[str, float]:
     """aten ops dispatched per decode step: the difference of a 12- and a 4-token generate, over 8 steps.
 
-    `all` counts every aten call (views included: each costs host time); `ops` leaves out the
-    view/metadata ops that launch no kernel.
+    `all` counts every aten call (views and nested calls included: each costs host time); `ops`
+    counts the top-level calls that do work (a proxy for kernel launches on a GPU).
     """
     def count(steps: int) -> collections.Counter[str]:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=steps), kv)
-        return collections.Counter({e.key: e.count for e in prof.key_averages() if e.key.startswith("aten::")})
+        counts: collections.Counter[str] = collections.Counter()
+        for e in prof.events():
+            if e.name.startswith("aten::"):
+                counts["all"] += 1
+                # Ops called by our code, not from inside another aten op (CPU composites such as
+                # rms_norm decompose into several, a CUDA kernel does not), that launch work.
+                top = e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")
+                counts["ops"] += top and e.name[6:] not in _VIEW_OPS
+        return counts
 
     diff = count(12)
     diff.subtract(count(4))
-    return {"all": sum(diff.values()) / 8,
-            "ops": sum(n for name, n in diff.items() if name[6:] not in _VIEW_OPS) / 8}
+    return {name: diff[name] / 8 for name in ("all", "ops")}
 
 
 # aten ops that only make views or read metadata (no kernel launch of their own).
 _VIEW_OPS = frozenset("""as_strided view transpose reshape slice select narrow unsqueeze squeeze expand t permute
     _unsafe_view resolve_conj resolve_neg result_type empty empty_strided empty_like chunk split unbind detach alias
-    unflatten flatten lift_fresh _reshape_alias contiguous matmul linear to type_as scalar_tensor""".split())
+    unflatten flatten lift_fresh _reshape_alias contiguous to type_as scalar_tensor""".split())
 
 
 def run_transformers(model: Qwen3ForCausalLM, prompts: list[list[int]], gen: int, device: torch.device) -> dict:
@@ -163,15 +170,6 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
     print(json.dumps(dense))
     rows.append(dense)
     save(result)
-    for fraction in fractions:
-        for policy in policies:
-            row = run_engine(engine, prompts, gen, KVConfig(policy=policy, budget=int(gen * fraction), buffer=buffer))
-            row["budget_fraction"] = fraction
-            row["kv_vs_dense"] = round(row["kv_bytes_allocated"] / dense["kv_bytes_allocated"], 3)
-            row["tokens_per_s_vs_dense"] = round(row["tokens_per_s"] / dense["tokens_per_s"], 3)
-            print(json.dumps(row))
-            rows.append(row)
-            save(result)
 
     def dense_again() -> dict[str, Any]:
         # On a shared machine speed drifts over minutes: ratios use a dense run made next to them.
@@ -181,22 +179,7 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
         print(json.dumps(again))
         return again
 
-    # Fixed KV memory: the dense batch's cache bytes, filled with as many sparse sequences as fit.
-    dense = dense_again()
-    memory = dense["kv_bytes_allocated"]
-    for policy in policies:
-        kv = KVConfig(policy=policy, budget=small, buffer=buffer)
-        per_seq = cache_capacity([args.prompt], gen, kv) * engine.kv_bytes_per_token()
-        big = max(1, memory // per_seq)
-        big_prompts = torch.randint(0, config.vocab_size, (big, args.prompt), generator=gen_rng).tolist()
-        row = run_engine(engine, big_prompts, gen, kv)
-        row["kv_memory_budget"] = memory
-        row["dense_batch"], row["dense_tokens_per_s"] = dense["batch"], dense["tokens_per_s"]
-        row["tokens_per_s_vs_dense"] = round(row["tokens_per_s"] / dense["tokens_per_s"], 3)
-        print(json.dumps(row))
-        fixed.append(row)
-        save(result)
-
+    # Sections run in the order of the targets, so a run cut off by a time limit keeps the first ones.
     baseline = None
     if not args.skip_transformers:
         with torch.device(device):  # build in place: a 1.7B fp32 init on the CPU takes long
@@ -211,13 +194,41 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
         baseline["dense_tokens_per_s_vs_transformers"] = round(dense["tokens_per_s"] / baseline["tokens_per_s"], 3)
         print(json.dumps(baseline))
         result["transformers_generate"] = baseline
+        save(result)
+
+    for fraction in fractions:  # against the latest dense run
+
+        for policy in policies:
+            row = run_engine(engine, prompts, gen, KVConfig(policy=policy, budget=int(gen * fraction), buffer=buffer))
+            row["budget_fraction"] = fraction
+            row["kv_vs_dense"] = round(row["kv_bytes_allocated"] / dense["kv_bytes_allocated"], 3)
+            row["tokens_per_s_vs_dense"] = round(row["tokens_per_s"] / dense["tokens_per_s"], 3)
+            print(json.dumps(row))
+            rows.append(row)
+            save(result)
+
+    # Fixed KV memory: the dense batch's cache bytes, filled with as many sparse sequences as fit.
+    dense = dense_again() if not args.skip_fixed else first_dense
+    memory = dense["kv_bytes_allocated"]
+    for policy in policies if not args.skip_fixed else ():
+        kv = KVConfig(policy=policy, budget=small, buffer=buffer)
+        per_seq = cache_capacity([args.prompt], gen, kv) * engine.kv_bytes_per_token()
+        big = max(1, memory // per_seq)
+        big_prompts = torch.randint(0, config.vocab_size, (big, args.prompt), generator=gen_rng).tolist()
+        row = run_engine(engine, big_prompts, gen, kv)
+        row["kv_memory_budget"] = memory
+        row["dense_batch"], row["dense_tokens_per_s"] = dense["batch"], dense["tokens_per_s"]
+        row["tokens_per_s_vs_dense"] = round(row["tokens_per_s"] / dense["tokens_per_s"], 3)
+        print(json.dumps(row))
+        fixed.append(row)
+        save(result)
 
     smallest = [r for r in rows if r.get("budget_fraction") == fractions[0]]
     result["complete"] = True
     result["summary"] = {
         "smallest_budget_fraction": fractions[0],
         "worst_kv_vs_dense_at_smallest_budget": max(r["kv_vs_dense"] for r in smallest),
-        "best_tokens_per_s_vs_dense_at_equal_kv_memory": max(r["tokens_per_s_vs_dense"] for r in fixed),
+        "best_tokens_per_s_vs_dense_at_equal_kv_memory": max((r["tokens_per_s_vs_dense"] for r in fixed), default=None),
         "dense_vs_transformers_generate": baseline and baseline["dense_tokens_per_s_vs_transformers"],
     }
     return result
@@ -238,6 +249,7 @@ def main() -> None:
     parser.add_argument("--reuse-dense", action="store_true",
                         help="compare sections 2 and 3 with the first dense run instead of re-running dense")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--skip-fixed", action="store_true", help="skip the fixed-KV-memory section")
     parser.add_argument("--out", help="JSON path (default bench/results/engine-<device>[...].json)")
     args = parser.parse_args()
     device = torch.device(args.device).type

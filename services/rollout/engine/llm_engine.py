@@ -1,8 +1,11 @@
 """LLMEngine: batched generation with a budgeted, compacting KV cache (docs/engine.md).
 
 One generate() call is one batch: a padded prefill of all prompts, then lockstep decode steps of
-one token per live sequence. Finished sequences leave the batch once a quarter of the rows are
-finished (moving the cache costs a copy, so it is amortised rather than done per finish).
+one token per live sequence. The decode loop never waits for the device except to learn which
+sequences hit a stop token, which it reads back every `FINISH_CHECK_STEPS` steps (a row that
+stopped meanwhile decodes a few discarded tokens; its outputs and KV stats end at its stop token).
+Finished sequences leave the batch once a quarter of the rows are finished (moving the cache
+costs a copy, so it is amortised rather than done per finish).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import os
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import PretrainedConfig
 
 from services.rollout.engine.config import GenerationOutput, KVConfig, SamplingParams
@@ -18,6 +22,12 @@ from services.rollout.engine.kv_cache import KVCache, cache_capacity
 from services.rollout.engine.sampler import sample
 from services.rollout.engine.sequence import Sequence
 from services.rollout.models.decoder import DecoderLM, load_pretrained
+
+# Steps between reads of stop-token hits (each read waits for the device's queue to drain).
+FINISH_CHECK_STEPS = 8
+# SDPA kernels for generation: cuDNN attention builds an execution plan per new shape, and a
+# growing cache is a new shape at every decode step; flash / memory-efficient kernels are not.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class LLMEngine:
@@ -72,6 +82,10 @@ class LLMEngine:
                  kv: KVConfig | None = None) -> list[GenerationOutput]:
         kv = kv or KVConfig()
         self._check(prompts, params)
+        with sdpa_kernel(_SDPA_BACKENDS):
+            return self._generate(prompts, params, kv)
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams, kv: KVConfig) -> list[GenerationOutput]:
         dev, model = self.device, self.model
         lengths = [len(p) for p in prompts]
         batch, width, max_new = len(prompts), max(lengths), params.max_new_tokens
@@ -102,41 +116,59 @@ class LLMEngine:
         rows = list(seqs)  # rows[r] = sequence in cache row r
         rows_t = torch.arange(batch, device=dev)
         positions = lengths_t.clone()
+        check_every = FINISH_CHECK_STEPS if len(stop_ids) else max_new  # no stop tokens: nothing to read
+        checked = 0  # steps [0, checked) have been searched for stop tokens
         for step in range(max_new):
             uniforms = torch.rand(batch, generator=gen, device=dev)  # one per sequence, live or not
             tokens, logprobs = sample(logits, params, uniforms[rows_t])
             out_tokens[rows_t, step] = tokens
             out_logprobs[rows_t, step] = logprobs
-            hit_stop = torch.isin(tokens, stop_ids).tolist() if len(stop_ids) else [False] * len(rows)
-            for s, stopped in zip(rows, hit_stop, strict=True):
-                if not s.finished:
-                    s.num_generated = step + 1
-                    if stopped:
-                        s.finish_reason = "stop"
-                    elif step + 1 == max_new:
-                        s.finish_reason = "length"
-            live = [r for r, s in enumerate(rows) if not s.finished]
-            if not live:
-                break
-            if len(rows) - len(live) >= max(1, len(rows) // 4):
-                cache.select_rows(live)
-                index = torch.tensor(live, device=dev)
-                rows, rows_t = [rows[r] for r in live], rows_t.index_select(0, index)
-                tokens, positions = tokens.index_select(0, index), positions.index_select(0, index)
+            if step + 1 == max_new or (step + 1) % check_every == 0:
+                self._settle_finishes(seqs, out_tokens, stop_ids, checked, step + 1, max_new)
+                checked = step + 1
+                live = [r for r, s in enumerate(rows) if not s.finished]
+                if not live:
+                    break
+                if len(rows) - len(live) >= max(1, len(rows) // 4):
+                    cache.select_rows(live)
+                    index = torch.tensor(live, device=dev)
+                    rows, rows_t = [rows[r] for r in live], rows_t.index_select(0, index)
+                    tokens, positions = tokens.index_select(0, index), positions.index_select(0, index)
             cache.begin_decode(positions)
             hidden = model(tokens[:, None], positions[:, None], cache.decode)
             cache.end_decode()
             positions = positions + 1
             for s, n in zip(rows, cache.lengths, strict=True):
                 if not s.finished:
-                    s.observe(n)
+                    s.record(step, n)
             if cache.needs_compression():
-                self._compress(cache, rows)
+                for s, evicted in zip(rows, cache.compress(), strict=True):
+                    if not s.finished:
+                        s.record(step, 0, evicted)
             logits = model.logits(hidden[:, 0])
 
         token_lists, logprob_lists = out_tokens.tolist(), out_logprobs.tolist()
         per_token = cache.bytes_per_token
         return [s.to_output(token_lists[s.index], logprob_lists[s.index], per_token) for s in seqs]
+
+    @staticmethod
+    def _settle_finishes(seqs: list[Sequence], out_tokens: torch.Tensor, stop_ids: torch.Tensor,
+                         start: int, end: int, max_new: int) -> None:
+        """Finish the open sequences whose first stop token lies in steps [start, end), and all at max_new."""
+        open_seqs = [s for s in seqs if not s.finished]
+        first_stop = [-1] * len(open_seqs)
+        if len(stop_ids) and open_seqs:
+            index = torch.tensor([s.index for s in open_seqs], device=out_tokens.device)
+            hit = torch.isin(out_tokens[index, start:end], stop_ids)
+            # argmax returns the first maximum: the first stop token of each row.
+            first_stop = torch.where(hit.any(dim=1), hit.int().argmax(dim=1) + start, -1).tolist()
+        for s, stop in zip(open_seqs, first_stop, strict=True):
+            if stop >= 0:
+                s.finish(stop, "stop")
+            elif end == max_new:
+                s.finish(max_new - 1, "length")
+            else:
+                s.settle(end)
 
     @staticmethod
     def _compress(cache: KVCache, rows: list[Sequence]) -> None:
