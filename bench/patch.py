@@ -4,7 +4,9 @@ A Qwen3-shaped model (from config, no download) is trained with AdamW (lr 1e-6) 
 loss over a text-like token stream; fp32 master weights, bf16 published weights. Per step it
 records the changed fraction, dense bf16 bytes, patch bytes for `values`, `bitdelta`, `auto` and a
 PULSE-style baseline (grail's codec, ../shared/REFERENCE.md §2, re-implemented below), whether the
-applied patch is bit-exact, and extract / encode / decode / apply / fingerprint seconds. After the
+applied patch is bit-exact, and extract / encode / decode / apply / fingerprint seconds (extract and
+fingerprint also through the per-tensor paths, as same-run baselines: `*_per_tensor_over_default`
+is the speed-up of the default, batched on a GPU). After the
 steps: union sparsity and merged patch size for k = 2, 4, 8 steps. JSON goes to
 bench/results/patch-<device>.json, rewritten after every step (`complete` is false until the run
 ends). `--save-patches DIR` writes the base snapshot and every step's
@@ -33,6 +35,7 @@ from transformers import Qwen3ForCausalLM
 from shared.modeling import qwen3_config
 from shared.patch import apply_patch, extract_patch, fingerprint, merge_patches, read_header, save_snapshot
 from shared.patch.codec import bits, changed_indices, compress, decode_patch, diff_states
+from shared.patch.fingerprint import device_sums
 from shared.patch.format import parse_patch
 
 StateDict = dict[str, torch.Tensor]
@@ -184,6 +187,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         changed, extract_s = timed(device, lambda o=old, n=new: _extract_indices(o, n))
         base_fp = target_fp if step else fingerprint(old)
         target_fp, fingerprint_s = timed(device, lambda n=new: fingerprint(n))
+        # Same-run baselines: the per-tensor paths (one reduction / one nonzero per tensor), the
+        # default on a CPU and what a GPU ran before the batched paths.
+        _, extract_per_tensor_s = timed(device, lambda o=old, n=new: changed_indices(o, n, batched=False))
+        _, fingerprint_per_tensor_s = timed(
+            device, lambda n=new: device_sums([n[k] for k in sorted(n)], stacked=False).cpu()
+        )
         version = dict(run=args.run, base_version=step, target_version=step + 1,
                        base_fingerprint=base_fp, target_fingerprint=target_fp)
         patch, extract_encode_s = timed(device, lambda o=old, n=new, v=version: extract_patch(o, n, **v))
@@ -202,6 +211,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "bit_exact": bit_exact, "extract_s": extract_s, "fingerprint_s": fingerprint_s,
             "encode_s": max(0.0, extract_encode_s - extract_s), "extract_encode_s": extract_encode_s,
             "decode_s": decode_s, "apply_s": apply_s,
+            "extract_per_tensor_s": extract_per_tensor_s, "fingerprint_per_tensor_s": fingerprint_per_tensor_s,
         }
         steps.append(record)
         patches.append(patch)
@@ -259,6 +269,10 @@ def _report(args, device, params, dense_bytes, batch, seq, steps, union) -> dict
         "median_extract_s": med("extract_s"), "median_fingerprint_s": med("fingerprint_s"),
         "median_extract_plus_fingerprint_s": extract_fp, "median_extract_encode_s": med("extract_encode_s"),
         "median_decode_s": med("decode_s"), "median_apply_s": med("apply_s"),
+        "median_extract_per_tensor_s": med("extract_per_tensor_s"),
+        "median_fingerprint_per_tensor_s": med("fingerprint_per_tensor_s"),
+        "extract_per_tensor_over_default": med("extract_per_tensor_s") / med("extract_s"),
+        "fingerprint_per_tensor_over_default": med("fingerprint_per_tensor_s") / med("fingerprint_s"),
     }
     targets = {
         "bitdelta_le_half_pulse": ratio <= 0.5,
