@@ -20,8 +20,8 @@ runs). The JSON is rewritten after every row, so a run cut off by a time limit k
 measured ("complete": false until the end). It goes to bench/results/engine-<device>.json (CPU
 default) or engine-<device>-<shape>-gen<gen>.json for other shapes/lengths. GPU runs (the lead
 runs them; each fits ~8 minutes on an H200, see docs/engine.md):
-`python -m bench.engine --device cuda --shape 0.6b --gen 4096 --batch 32 --reuse-dense`
-and `--shape 1.7b --gen 8192 --batch 16 --fractions 0.25 --policies rkv streaming --reuse-dense`.
+`python -m bench.engine --device cuda --shape 0.6b --gen 4096 --batch 32 --fractions 0.25 --policies rkv --reuse-dense`
+and `--shape 1.7b --gen 8192 --batch 16 --fractions 0.25 --policies rkv --reuse-dense --skip-transformers --skip-fixed`.
 """
 
 from __future__ import annotations
