@@ -97,3 +97,15 @@ def test_changed_indices_equal_per_tensor_nonzero(monkeypatch, mask_bytes):
     assert list(got) == list(reference) == ["a_scalar", "c_bf16", "d_f16", "e_f32", "g_f32", "h_all"]
     for name, indices in reference.items():
         assert got[name].dtype == torch.int64 and torch.equal(got[name], indices), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_defaults_are_the_batched_paths_and_match_the_cpu():
+    tensors = mixed_tensors()
+    assert fp.device_sums([t.cuda() for t in tensors]).tolist() == [int(fp.tensor_sum(t)) for t in tensors]
+    old, new = changed_pairs()
+    on_cuda = changed_indices({k: v.cuda() for k, v in old.items()}, {k: v.cuda() for k, v in new.items()})
+    expected = changed_indices(old, new)
+    assert list(on_cuda) == list(expected)
+    assert all(torch.equal(on_cuda[k].cpu(), expected[k]) for k in expected)
