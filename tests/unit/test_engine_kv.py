@@ -174,3 +174,11 @@ def test_long_prompt_is_compressed_at_prefill_without_keep_prompt() -> None:
     # 30 -> 12 at prefill, then 9 decode steps fill the 4-token buffer twice.
     assert out.kv.evicted == 18 + 4 + 4
     assert engine.last_batch_kv_bytes == 30 * engine.kv_bytes_per_token()
+
+
+def test_h2o_free_slots_hold_no_evicted_attention() -> None:
+    # A token written into a slot freed by compression must start accumulating from zero.
+    cache = _drive(KVConfig(policy="h2o", budget=8, buffer=4, window=2), [3, 6], steps=13)
+    assert cache.attn_acc is not None
+    for row, n in enumerate(cache.lengths):
+        assert n < cache.capacity and cache.attn_acc[:, row, :, n:].abs().sum() == 0

@@ -203,6 +203,10 @@ class KVCache:
             # Kept slots first, in their original (chronological) order.
             perm = torch.where(kept, slot, slot + span).argsort(dim=-1)
             self._gather_(layer, perm, span)
+            if self.attn_acc is not None:
+                # The evicted tokens' sums now sit in the free slots: a token written there later
+                # must start from zero, not inherit them.
+                self.attn_acc[layer, :, :, :span].masked_fill_(~rank_ok, 0.0)
         self.lengths = keep
         self.lengths_t = torch.tensor(keep, device=dev)
         return evicted
