@@ -5,8 +5,8 @@
 
 One scratchpad line per digit, least significant first: the two digits, the carry in, and the
 two-digit column sum whose first digit is the next carry. The scratchpad makes the task learnable
-by a tiny model and makes completions long (9 tokens per digit: 42-83 tokens for 4-8 digits),
-so a KV budget of a few dozen tokens bites.
+by a tiny model and makes completions long (9 tokens per digit: 32-63 tokens for the default 3-6
+digits), so a KV budget of a few dozen tokens bites.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class AdditionTask(Task):
     name = "addition"
     format = "one line 'a+b+carry=ss' per digit (least significant first), then '=SUM'"
 
-    def __init__(self, min_digits: int = 4, max_digits: int = 8) -> None:
+    def __init__(self, min_digits: int = 3, max_digits: int = 6) -> None:
         if not 1 <= min_digits <= max_digits:
             raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
         self.min_digits, self.max_digits = min_digits, max_digits

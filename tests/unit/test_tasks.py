@@ -31,7 +31,7 @@ def test_addition_scratchpad_format_and_length():
     task = get_task("addition")
     assert task.demonstration("add 345+678\n", "1023") == "5+8+0=13\n4+7+1=12\n3+6+1=10\n=1023"
     lengths = [len(task.demonstration(p, a)) for p, a in task.make_prompts(200, seed=0)]
-    assert 40 <= min(lengths) and max(lengths) <= 120  # long enough for a KV budget to bite
+    assert 30 <= min(lengths) and max(lengths) <= 70  # 3-6 digits: long enough for a KV budget of 16-32 to bite
 
 
 def test_addition_rewards():
