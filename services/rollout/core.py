@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from services.rollout.engine.config import GenerationOutput, KVConfig, SamplingParams
+from services.rollout.engine.config import GenerationOutput, KVConfig, SamplingParams, check_token_ids
 from services.rollout.settings import RolloutSettings
 from shared.patch import fingerprint
 
@@ -113,19 +113,16 @@ class RolloutCore:
             **extra,
         )
 
-    def check_lengths(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
-        """Raise ValueError for a prompt that cannot fit the model's context with its new tokens."""
+    def check_lengths(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        """Raise ValueError for a request the engine would refuse, before it takes the engine lock:
+        bad token ids, or a prompt that cannot fit the model's context with its new tokens."""
+        check_token_ids(prompts, SamplingParams(max_new_tokens=max_new_tokens), self.config.vocab_size)
         for i, ids in enumerate(prompts):
-            if not ids:
-                raise ValueError(f"prompt {i} is empty")
             if len(ids) + max_new_tokens > self.max_positions:
                 raise ValueError(
                     f"prompt {i} has {len(ids)} tokens; with max_tokens={max_new_tokens} it exceeds the "
                     f"model's context of {self.max_positions}"
                 )
-            vocab = self.config.vocab_size
-            if any(t < 0 or t >= vocab for t in ids):
-                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab})")
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams, kv: KVConfig) -> Batch:
         async with self.engine_lock:

@@ -26,7 +26,13 @@ import torch
 from safetensors.torch import load_file
 from safetensors.torch import save as save_safetensors
 
-from services.rollout.engine.config import GenerationOutput, KVConfig, KVStats, SamplingParams
+from services.rollout.engine.config import (
+    GenerationOutput,
+    KVConfig,
+    KVStats,
+    SamplingParams,
+    check_token_ids,
+)
 
 WORKER_EXTENSION = "services.rollout.vllm_ext.SparsecastWorkerExtension"
 _VLLM_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -181,16 +187,7 @@ class VLLMEngine:
         if kv.policy != "dense":
             raise ValueError(f"the vllm engine keeps a dense KV cache; KV policy {kv.policy!r} "
                              "needs the native engine (engine='native')")
-        if not prompts:
-            raise ValueError("no prompts")
-        vocab = self.config["vocab_size"]
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise ValueError(f"prompt {i} is empty")
-            if min(prompt) < 0 or max(prompt) >= vocab:
-                raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
-        if any(t < 0 or t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids outside [0, {vocab})")
+        check_token_ids(prompts, params, self.config["vocab_size"])
         filtered = params.temperature > 0 and (params.top_k > 0 or params.top_p < 1.0)
         if filtered and not self._logprob_hook:
             raise ValueError("this vLLM build reports top-k/top-p log-probs of the truncated distribution; "

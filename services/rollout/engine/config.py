@@ -71,4 +71,18 @@ class GenerationOutput:
     kv: KVStats
 
 
-__all__ = ["FinishReason", "GenerationOutput", "KVConfig", "KVStats", "Policy", "SamplingParams"]
+def check_token_ids(prompts: list[list[int]], params: SamplingParams, vocab_size: int) -> None:
+    """Raise ValueError for a request no engine can run: no prompts, an empty prompt, or token ids
+    (prompt or stop) outside the vocabulary. Shared by every engine so all refuse alike."""
+    if not prompts:
+        raise ValueError("no prompts")
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"prompt {i} is empty")
+        if min(prompt) < 0 or max(prompt) >= vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size})")
+    if any(t < 0 or t >= vocab_size for t in params.stop_token_ids):
+        raise ValueError(f"stop_token_ids outside the vocabulary [0, {vocab_size})")
+
+
+__all__ = ["FinishReason", "GenerationOutput", "KVConfig", "KVStats", "Policy", "SamplingParams", "check_token_ids"]

@@ -17,7 +17,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import PretrainedConfig
 
-from services.rollout.engine.config import GenerationOutput, KVConfig, SamplingParams
+from services.rollout.engine.config import GenerationOutput, KVConfig, SamplingParams, check_token_ids
 from services.rollout.engine.kv_cache import KVCache, cache_capacity
 from services.rollout.engine.sampler import sample
 from services.rollout.engine.sequence import Sequence
@@ -66,16 +66,7 @@ class LLMEngine:
         return 2 * m.num_layers * m.num_kv_heads * m.head_dim * torch.finfo(self.dtype).bits // 8
 
     def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        if not prompts:
-            raise ValueError("no prompts")
-        vocab = self.config.vocab_size
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise ValueError(f"prompt {i} is empty")
-            if min(prompt) < 0 or max(prompt) >= vocab:
-                raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
-        if any(t < 0 or t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids outside [0, {vocab})")
+        check_token_ids(prompts, params, self.config.vocab_size)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
