@@ -3,23 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
 
 import pytest
-import redis.asyncio as aioredis
 
-from shared.coord import Coordinator, CoordSettings, Lease, QueueFull
+from shared.coord import Lease, QueueFull
 from shared.schemas import KVStats, PromptGroup, Sample, Trajectory
-
-CoordFactory = Callable[..., Coordinator]
-
-
-@pytest.fixture
-async def make_coord(redis_url: str, redis_prefix: str) -> AsyncIterator[CoordFactory]:
-    """Coordinators over one client and this test's own key prefix (cleaned up by conftest)."""
-    client = aioredis.from_url(redis_url)
-    yield lambda **settings: Coordinator(client, redis_prefix, CoordSettings(**settings))
-    await client.aclose()
+from tests.integration.conftest import CoordFactory
 
 
 def groups(n: int, start: int = 0) -> list[PromptGroup]:
