@@ -333,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="trainer learning rate (default %(default)s: the best of docs/training.md's RL-check sweep)")
     demo.add_argument("--keep-running", action="store_true",
                       help="after the last step keep the stack (and the dashboard) up until Ctrl-C")
-    demo.add_argument("--dir", default="data/demo", help="folder for logs, the store and caches (default %(default)s)")
+    demo.add_argument("--dir", default="data/demo", help="folder for logs and the store (default %(default)s)")
     demo.add_argument("--model", default="tiny-demo",
                       help="'tiny-demo' (the cached warm-start model) or a HF model folder (default %(default)s)")
     demo.add_argument("--token", default=os.environ.get("SPARSECAST_API_TOKEN") or None,

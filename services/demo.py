@@ -266,9 +266,13 @@ class Demo:
             if not (path / "config.json").is_file():
                 raise DemoFailed(f"--model {self.o.model}: not a HF model folder (no config.json)")
             return path
-        cache = self.folder / "warmstart"
-        for partial in cache.glob(".warmstart-*"):  # left by an interrupted build; only the demo uses this cache
-            shutil.rmtree(partial, ignore_errors=True)
+        # The trainer's default cache (TrainerSettings.warmstart_cache; not imported here, it pulls in
+        # torch), shared with the test suite: the model is built once per checkout.
+        cache = Path(".cache/warmstart").resolve()
+        stale = time.time() - 3600  # temp dirs an interrupted build left (a live build touches its own)
+        for partial in cache.glob(".warmstart-*"):
+            if partial.stat().st_mtime < stale:
+                shutil.rmtree(partial, ignore_errors=True)
         env = self.base_env() | {"OMP_NUM_THREADS": "2"}
         child = self.procs.start("warmstart", [sys.executable, "-c", WARMSTART_SCRIPT, str(cache)], env,
                                  cwd=self.state_dir)
