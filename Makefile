@@ -23,11 +23,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # vLLM's kernel registration walks every imported module and trips over werkzeug's context-local
-# proxies (imported by the moto S3 server in other tests), so its tests run in their own process.
+# proxies, which the moto S3 server imports at collection time in other test files. So the vLLM
+# tests run in a process of their own that collects only their file.
+VLLM_TESTS := tests/integration/test_vllm_engine.py
 test: setup
 	$(PY) -m ruff check shared services tests bench
 	$(PY) -m pytest -q -m "not vllm" $(PYTEST_ARGS)
-	$(PY) -m pytest -q -m vllm $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m vllm $(VLLM_TESTS) $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -q -x -m "not slow and not chaos and not vllm" $(PYTEST_ARGS)
