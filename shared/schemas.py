@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class PromptGroup(BaseModel):
@@ -81,3 +81,11 @@ class WorkerInfo(BaseModel):
     leases: int = Field(default=0, ge=0)
     url: str | None = None
     updated_at: float = Field(default_factory=time.time)
+
+
+def one_line_error(error: Exception, subject: str = "value") -> str:
+    """A validation error (or any error) as one readable line: `loc: msg; loc: msg`.
+    `subject` names a failure with no location (the whole body, entry, ...)."""
+    if isinstance(error, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or subject}: {e['msg']}" for e in error.errors())
+    return str(error).replace("\n", " ")

@@ -35,6 +35,7 @@ from services.rollout.sync import WeightSync, bootstrap_model, match_registry_ve
 from services.rollout.worker import RolloutWorker
 from shared.coord import Coordinator
 from shared.registry_client import RegistryClient
+from shared.schemas import one_line_error
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
                                     stop_token_ids=tuple(req.stop_token_ids) if req.stop_token_ids is not None
                                     else core.default_stop_ids())
         except (ValueError, TypeError, ValidationError) as exc:
-            raise HTTPException(422, _message(exc)) from exc
+            raise HTTPException(422, one_line_error(exc)) from exc
         expanded = [ids for ids in prompts for _ in range(req.n)]
         batch = await core.generate(expanded, params, kv)
         metrics.requests.labels("generate").inc()
@@ -240,7 +241,7 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
     async def value_error(_: Request, exc: ValueError) -> Response:
         from fastapi.responses import JSONResponse
 
-        return JSONResponse({"detail": _message(exc)}, status_code=422)
+        return JSONResponse({"detail": one_line_error(exc)}, status_code=422)
 
     app.state.rollout = state
     return app
@@ -264,8 +265,3 @@ def _cut_at_stop(core: RolloutCore, ids: list[int], logprobs: list[float], finis
             return ids[:n], logprobs[:n], "stop"
     return ids, logprobs, finish
 
-
-def _message(exc: Exception) -> str:
-    if isinstance(exc, ValidationError):
-        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors())
-    return str(exc)

@@ -25,7 +25,7 @@ from services.trainer.core import Trainer
 from services.trainer.settings import TrainerSettings
 from shared.coord import Coordinator, QueueFull
 from shared.registry_client import RegistryClient
-from shared.schemas import PromptGroup
+from shared.schemas import PromptGroup, one_line_error
 from shared.tasks import get_task, list_tasks
 from shared.tasks.numeric import numeric_row
 
@@ -160,7 +160,7 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
             try:
                 body = PromptsRequest.model_validate_json(await request.body())
             except ValidationError as exc:
-                raise HTTPException(422, _errors(exc)) from exc
+                raise HTTPException(422, one_line_error(exc, "body")) from exc
             if (body.prompts is None) == (body.generate is None):
                 raise HTTPException(422, "give exactly one of 'prompts' or 'generate'")
             name = body.task or task or settings.default_task
@@ -306,9 +306,6 @@ def _parse_jsonl(raw: bytes) -> list[PromptIn]:
         try:
             items.append(PromptIn.model_validate(obj))
         except ValidationError as exc:
-            raise HTTPException(422, f"line {n}: {_errors(exc)}") from exc
+            raise HTTPException(422, f"line {n}: {one_line_error(exc, 'body')}") from exc
     return items
 
-
-def _errors(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())

@@ -23,7 +23,7 @@ from shared.coord.leases import Lease
 from shared.coord.scheduling import claim_size as scheduled_claim_size
 from shared.coord.settings import CoordSettings
 from shared.coord.stats import counters_from_hash, decode
-from shared.schemas import PromptGroup, Trajectory, WorkerInfo
+from shared.schemas import PromptGroup, Trajectory, WorkerInfo, one_line_error
 
 TRAINER_GROUP = "trainer"
 # Dead-letter entries keep at most this much of a malformed payload, so one bad producer cannot
@@ -125,7 +125,7 @@ class Coordinator:
                 raise ValueError(f"entry has no 'group' field (fields: {sorted(pairs)[:10]})")
             group = PromptGroup.model_validate_json(payload)
         except (ValidationError, ValueError) as e:
-            reason = f"malformed: {_one_line(e)}"
+            reason = f"malformed: {one_line_error(e, 'entry')}"
             raw = payload if payload is not None else repr(pairs)
             await self._dead_letter(worker_id, entry_id, attempt, reason, raw[:MAX_DEAD_PAYLOAD], "malformed")
             return None
@@ -361,8 +361,3 @@ class Coordinator:
             **counters_from_hash(counters),
         }
 
-
-def _one_line(error: Exception) -> str:
-    if isinstance(error, ValidationError):
-        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'entry'}: {e['msg']}" for e in error.errors())
-    return str(error).replace("\n", " ")
