@@ -106,12 +106,13 @@ class RolloutWorker:
         self.held = list(leases)
         runnable: list[tuple[Lease, list[int]]] = []
         for lease in leases:
-            reason = self._reject_reason(lease)
+            ids = self.core.encode(lease.group.prompt)
+            reason = self._reject_reason(lease, ids)
             if reason:
                 await self.coord.reject(lease, reason)
                 self.held.remove(lease)
                 continue
-            runnable.append((lease, self.core.encode(lease.group.prompt)))
+            runnable.append((lease, ids))
         if not runnable:
             return
         max_new = max(self._max_new_tokens(lease) for lease, _ in runnable)
@@ -139,12 +140,11 @@ class RolloutWorker:
                 self.duplicates += 1  # finished elsewhere first (our lease was reclaimed): not counted
             self.held.remove(lease)
 
-    def _reject_reason(self, lease: Lease) -> str | None:
+    def _reject_reason(self, lease: Lease, ids: list[int]) -> str | None:
         try:
             get_task(lease.group.task)
         except KeyError as exc:
             return f"unknown task: {exc}"
-        ids = self.core.encode(lease.group.prompt)
         try:
             self.core.check_lengths([ids], self._max_new_tokens(lease))
         except ValueError as exc:
