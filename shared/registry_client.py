@@ -23,6 +23,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import mmap
 import os
 import random
 import time
@@ -175,7 +176,7 @@ class _Download:
     """One object being fetched: its buffer, which pieces are verified, and an optional part file."""
 
     ref: ObjectRef
-    buffer: bytearray
+    buffer: mmap.mmap
     done: list[bool]
     part: Path | None = None
 
@@ -344,7 +345,9 @@ class RegistryClient:
 
     def _open_download(self, ref: ObjectRef) -> _Download:
         n = len(ref.pieces)
-        download = _Download(ref, bytearray(ref.size), [False] * n)
+        # Anonymous memory: pages are zeroed by the kernel as bytes land in them, spread over the
+        # transfer, where a bytearray is zero-filled up front (~15 ms per 20 MB before any byte moves).
+        download = _Download(ref, mmap.mmap(-1, max(1, ref.size)), [False] * n)
         if self.cache_dir is None:
             return download
         # Named by content (the piece hashes): a stale part of another object can never match.
@@ -365,39 +368,47 @@ class RegistryClient:
                 f.truncate(ref.size)
         return download
 
-    async def _fetch_piece(self, download: _Download, i: int) -> None:
-        """Fetch piece i; a dropped stream resumes at the byte it stopped; a bad hash refetches once."""
+    async def _receive_piece(self, download: _Download, i: int) -> None:
+        """Fetch piece i into the buffer; a dropped stream resumes at the byte it stopped."""
         start, end = download.piece_range(i)
         url = self._path(f"objects/{download.ref.key}")
+        offset, attempt = start, 0
+        while offset < end:
+            try:
+                headers = {"Range": f"bytes={offset}-{end - 1}"}
+                async with self._http.stream("GET", url, headers=headers) as response:
+                    if response.status_code != 206:
+                        await response.aread()
+                        self._raise_for(response)
+                        raise RegistryHTTPError(response.status_code, "expected a 206 range answer")
+                    # Chunks as the socket delivers them (no re-chunking copies).
+                    async for chunk in response.aiter_raw():
+                        if self.bucket:
+                            await self.bucket.take(len(chunk))
+                        take = min(len(chunk), end - offset)
+                        download.buffer[offset : offset + take] = memoryview(chunk)[:take]
+                        offset += take
+                        self.counters.bytes += len(chunk)
+                if offset < end:
+                    raise httpx.RemoteProtocolError("range answer ended early")
+            except (httpx.TransportError, RegistryHTTPError) as exc:
+                if isinstance(exc, RegistryHTTPError) and exc.status < 500:
+                    raise
+                if attempt >= self.retries:
+                    raise
+                log.info("piece %d of %s interrupted at %d (%s); resuming", i, download.ref.key, offset, exc)
+                await self._backoff(attempt)
+                attempt += 1
+
+    async def _verify_piece(self, download: _Download, i: int) -> None:
+        """Check piece i against its sha256, refetching it once on a mismatch; keep it in the part file."""
+        start, end = download.piece_range(i)
+        piece = memoryview(download.buffer)[start:end]
         for verification in range(2):
-            offset, attempt = start, 0
-            while offset < end:
-                try:
-                    headers = {"Range": f"bytes={offset}-{end - 1}"}
-                    async with self._http.stream("GET", url, headers=headers) as response:
-                        if response.status_code != 206:
-                            await response.aread()
-                            self._raise_for(response)
-                            raise RegistryHTTPError(response.status_code, "expected a 206 range answer")
-                        async for chunk in response.aiter_raw(64 << 10):
-                            if self.bucket:
-                                await self.bucket.take(len(chunk))
-                            take = min(len(chunk), end - offset)
-                            download.buffer[offset : offset + take] = chunk[:take]
-                            offset += take
-                            self.counters.bytes += len(chunk)
-                    if offset < end:
-                        raise httpx.RemoteProtocolError("range answer ended early")
-                except (httpx.TransportError, RegistryHTTPError) as exc:
-                    if isinstance(exc, RegistryHTTPError) and exc.status < 500:
-                        raise
-                    if attempt >= self.retries:
-                        raise
-                    log.info("piece %d of %s interrupted at %d (%s); resuming", i, download.ref.key, offset, exc)
-                    await self._backoff(attempt)
-                    attempt += 1
-            piece = memoryview(download.buffer)[start:end]
-            if _sha256(piece) == download.ref.pieces[i]:
+            if verification:
+                await self._receive_piece(download, i)
+            # hashlib drops the GIL: a thread hashes while the loop keeps every stream receiving.
+            if await asyncio.to_thread(_sha256, piece) == download.ref.pieces[i]:
                 if download.part is not None:
                     fd = os.open(download.part, os.O_WRONLY)
                     try:
@@ -410,8 +421,13 @@ class RegistryClient:
             log.warning("piece %d of %s failed its sha256 (try %d)", i, download.ref.key, verification + 1)
         raise CorruptObjectError(f"{download.ref.key}: piece {i} (bytes {start}-{end}) fails its sha256")
 
-    async def download(self, refs: Sequence[ObjectRef]) -> list[bytes]:
-        """Fetch objects with `streams` parallel ranged requests; every piece verified."""
+    async def download(self, refs: Sequence[ObjectRef]) -> list[memoryview]:
+        """Fetch objects with `streams` parallel ranged requests; every piece verified.
+
+        A stream moves on to its next piece while the last one is hashed, so hashing overlaps
+        the transfer. Returns views of the receive buffers (copying a large chain again would
+        cost more than hashing it).
+        """
         downloads = [self._open_download(ref) for ref in refs]
         queue: asyncio.Queue[tuple[_Download, int]] = asyncio.Queue()
         for download in downloads:
@@ -419,25 +435,26 @@ class RegistryClient:
                 if not done:
                     queue.put_nowait((download, i))
 
-        async def worker() -> None:
+        async def stream(group: asyncio.TaskGroup) -> None:
             while True:
                 try:
                     download, i = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                await self._fetch_piece(download, i)
+                await self._receive_piece(download, i)
+                group.create_task(self._verify_piece(download, i))
 
         try:
             async with asyncio.TaskGroup() as group:
                 for _ in range(min(self.streams, max(1, queue.qsize()))):
-                    group.create_task(worker())
+                    group.create_task(stream(group))
         except ExceptionGroup as errors:
             # The first failure cancels the other streams; callers handle plain exceptions.
             raise errors.exceptions[0] from None
         for download in downloads:
             if download.part is not None:
                 download.part.unlink(missing_ok=True)
-        return [bytes(d.buffer) for d in downloads]
+        return [memoryview(d.buffer)[: d.ref.size] for d in downloads]
 
     # -- sync --
 

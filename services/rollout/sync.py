@@ -116,7 +116,7 @@ class WeightSync:
             return await self._install_snapshot(plan, blobs)
         return await self._apply_patches(blobs)
 
-    async def _apply_patches(self, blobs: list[bytes]) -> int:
+    async def _apply_patches(self, blobs: list[memoryview]) -> int:
         core = self.core
         async with core.engine_lock:  # batch boundary: no generation runs while weights change
             core.weights.sync_state = "applying"
@@ -132,7 +132,7 @@ class WeightSync:
                     core.engine.weights_updated(changed)
             return core.weights.version
 
-    async def _install_snapshot(self, plan: Plan, blobs: list[bytes]) -> int:
+    async def _install_snapshot(self, plan: Plan, blobs: list[memoryview]) -> int:
         def build() -> tuple[dict[str, torch.Tensor], str]:
             tensors, info = load_snapshot(blobs[0])  # verifies the tensors against its fingerprint
             for blob in blobs[1:]:

@@ -45,8 +45,10 @@ def snapshot_info(data: bytes) -> SnapshotInfo:
         raise FormatError(f"not a sparsecast snapshot: {e}") from e
 
 
-def load_snapshot(data: bytes, *, verify: bool = True) -> tuple[dict[str, torch.Tensor], SnapshotInfo]:
+def load_snapshot(data: bytes | memoryview, *, verify: bool = True) -> tuple[dict[str, torch.Tensor], SnapshotInfo]:
     """Tensors (on the host) and info; with verify, the tensors must have the recorded fingerprint."""
+    if not isinstance(data, bytes):  # safetensors parses only bytes (a download is a memoryview)
+        data = bytes(data)
     info = snapshot_info(data)
     try:
         state = load(data)
