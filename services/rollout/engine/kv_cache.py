@@ -144,7 +144,9 @@ class KVCache:
             # queries of that head, so no GQA support or K/V repeat is needed from the kernel.
             qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)
             out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self._bias)
-            return out.view(b, self.num_heads, 1, self.head_dim)
+            # reshape, not view: CUDA's memory-efficient kernel returns [B, Hkv, G, D] with the G
+            # queries outermost in memory (fp32 on an H200), which no view can merge into Hq.
+            return out.reshape(b, self.num_heads, 1, self.head_dim)
         probs = self.grouped_probs(q, keys, self._decode_mask[:, :, None])  # [B, Hkv, G, 1, S]
         self.attn_acc[layer, :, :, : self._span] += probs[:, :, :, 0].mean(dim=2)
         out = torch.matmul(probs.to(values.dtype), values[:, :, None])  # [B, Hkv, G, 1, D]
