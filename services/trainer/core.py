@@ -226,6 +226,12 @@ class Trainer:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip))
         self.optimizer.step()
         self.step += 1
+        gain: dict[str, float] = {}
+        if s.measure_batch_gain:
+            with torch.no_grad(), self._autocast():
+                logp_after = torch.cat([self._logprobs(batch, rows) for rows in self._micro_batches(batch)])
+            moved = (logp_after - logp_old) * advantages.to(logp_after.device)[:, None] * corrections.keep_token
+            gain["batch_gain"] = float(moved.sum() / kept)
         lengths = batch.attention_mask.sum(dim=1).float()
         completion_lengths = mask.sum(dim=1).float()
         return {
@@ -244,6 +250,7 @@ class Trainer:
             "kv_peak_bytes_mean": float(batch.kv_peak_bytes.mean()),
             "staleness": {str(k): v for k, v in batch.staleness(self.version).items()},
             **{k: v for k, v in corrections.metrics.items() if k != "kept_tokens"},
+            **gain,
         }
 
     def _micro_batches(self, batch: TrainBatch) -> list[slice]:

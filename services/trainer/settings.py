@@ -45,6 +45,10 @@ class TrainerSettings(BaseSettings):
     collect_timeout_s: float = Field(default=600.0, gt=0, description="step with what arrived after this")
     max_steps: int = Field(default=0, ge=0, description="0 = train until stopped")
     bf16_autocast: bool = True
+    # After each step, recompute the batch's log-probs and report `batch_gain` (one more forward
+    # pass per step): the advantage-weighted log-prob change, > 0 when the update moved toward
+    # the better samples of each group. A low-noise sign of learning where reward is noisy.
+    measure_batch_gain: bool = False
     checkpoint_every: int = Field(default=10, ge=0, description="steps between automatic checkpoints; 0 = off")
     snapshot_every: int = Field(default=0, ge=0, description="trainer-side snapshots; the registry also makes them")
     seed: int = 0

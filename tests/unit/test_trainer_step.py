@@ -80,3 +80,15 @@ def test_step_changes_a_sparse_set_of_bf16_weights_and_the_patch_is_exact(tiny_m
     apply_patch(replica, patch)
     assert fingerprint(replica) == fingerprint(after)
     assert all(torch.equal(replica[k].view(torch.int16), after[k].view(torch.int16)) for k in after)
+
+
+def test_batch_gain_is_positive_for_a_descent_step_and_negative_for_ascent(tiny_model_dir: str, tmp_path: Path) -> None:
+    trajectories = _trajectories(vocab=90)
+    assert "batch_gain" not in _trainer(tiny_model_dir, tmp_path / "off").train_step(trajectories)
+    descent = _trainer(tiny_model_dir, tmp_path / "d", lr=1e-4, measure_batch_gain=True).train_step(trajectories)
+    assert descent["batch_gain"] > 0
+    # A negative learning rate walks up the loss: the metric must see the policy move the wrong way.
+    ascent = _trainer(tiny_model_dir, tmp_path / "a", lr=1e-4, measure_batch_gain=True)
+    for group in ascent.optimizer.param_groups:
+        group["lr"] = -1e-4
+    assert ascent.train_step(trajectories)["batch_gain"] < 0
