@@ -129,18 +129,21 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float) ->
     """
     b, h, s, _ = keys.shape
     out = torch.empty((b, h, s), dtype=torch.float32, device=keys.device)
-    slot = torch.arange(s, device=keys.device)
+    # fp32 slot numbers (exact below 2^24): the where/amax below then moves 4 bytes per pair
+    # instead of int64's 8, on the largest tensor of a compression.
+    slot = torch.arange(s, device=keys.device, dtype=torch.float32)
     step = max(1, _SIMILARITY_BYTES // (h * s * s * 4))
     for start in range(0, b, step):
         k = keys[start:start + step].float()
         ok = valid[start:start + step]
-        k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+        # Free slots get a zero key, so their similarity columns come out 0 from the matmul: a
+        # mask on [S, D] instead of on the S×S similarities.
+        k = (k / (k.norm(dim=-1, keepdim=True) + 1e-8)).masked_fill_(~ok[:, None, :, None], 0.0)
         sim = torch.matmul(k, k.transpose(-1, -2))  # [b, H, S, S]
         sim.diagonal(dim1=-2, dim2=-1).zero_()
-        sim.masked_fill_(~ok[:, None, None, :], 0.0)
-        latest = torch.where(sim > threshold, slot, -1).amax(dim=-1, keepdim=True)  # [b, H, S, 1]
+        latest = torch.where(sim > threshold, slot, -1.0).amax(dim=-1, keepdim=True)  # [b, H, S, 1]
         has = latest >= 0
-        idx = latest.clamp(min=0)
+        idx = latest.clamp(min=0).long()
         sim.scatter_(-1, idx, torch.where(has, 0.0, sim.gather(-1, idx)))
         mean = sim.sum(dim=-1) / ok.sum(dim=-1).clamp(min=1)[:, None, None]
         out[start:start + step] = mean.masked_fill(~ok[:, None], float("-inf")).softmax(dim=-1)
