@@ -442,8 +442,8 @@ class RegistryClient:
         large chain again would cost more than hashing it).
         """
         downloads = [self._open_download(ref) for ref in refs]
-        pending = [(d, i) for d in downloads for i, done in enumerate(d.done) if not done]
-        share = -(-len(pending) // self.streams)
+        pending = sum(d.done.count(False) for d in downloads)
+        share = -(-pending // self.streams)
         queue: asyncio.Queue[tuple[_Download, int, int]] = asyncio.Queue()
         for download in downloads:
             most = max(1, min(share, RUN_BYTES // download.ref.piece_bytes))
