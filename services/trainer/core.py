@@ -230,7 +230,7 @@ class Trainer:
         if s.measure_batch_gain:
             with torch.no_grad(), self._autocast():
                 logp_after = torch.cat([self._logprobs(batch, rows) for rows in self._micro_batches(batch)])
-            moved = (logp_after - logp_old) * advantages.to(logp_after.device)[:, None] * corrections.keep_token
+            moved = (logp_after - logp_old) * advantages[:, None] * corrections.keep_token
             gain["batch_gain"] = float(moved.sum() / kept)
         lengths = batch.attention_mask.sum(dim=1).float()
         completion_lengths = mask.sum(dim=1).float()

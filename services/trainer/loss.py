@@ -66,10 +66,10 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float =
         return rewards.clone()
     _, inverse = torch.unique(group_ids, return_inverse=True)
     groups = int(inverse.max()) + 1
-    count = torch.zeros(groups).index_add_(0, inverse, torch.ones_like(rewards))
-    mean = torch.zeros(groups).index_add_(0, inverse, rewards) / count
+    count = rewards.new_zeros(groups).index_add_(0, inverse, torch.ones_like(rewards))
+    mean = rewards.new_zeros(groups).index_add_(0, inverse, rewards) / count
     centered = rewards - mean[inverse]
-    sq = torch.zeros(groups).index_add_(0, inverse, centered.square())
+    sq = rewards.new_zeros(groups).index_add_(0, inverse, centered.square())
     std = (sq / (count - 1).clamp(min=1)).sqrt()
     adv = centered / (std[inverse] + eps)
     return torch.where(std[inverse] > eps, adv, torch.zeros_like(adv))

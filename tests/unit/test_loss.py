@@ -26,6 +26,16 @@ def test_advantages_group_normalised_unbiased_std():
     assert adv.tolist() == pytest.approx(want, abs=1e-5)
 
 
+@pytest.mark.gpu
+def test_advantages_on_cuda_match_cpu():
+    """The trainer's batch lives on its device; the per-group sums must be built there too."""
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.2, 0.2, 0.9, 0.1])
+    groups = torch.tensor([0, 0, 0, 4, 4, 7, 7])
+    cpu = grpo_advantages(rewards, groups)
+    cuda = grpo_advantages(rewards.cuda(), groups.cuda())
+    assert cuda.device.type == "cuda"
+    assert torch.allclose(cuda.cpu(), cpu, atol=1e-6)
+
 def test_advantages_zero_variance_and_empty():
     assert grpo_advantages(torch.tensor([0.3, 0.3]), torch.tensor([0, 0])).tolist() == [0.0, 0.0]
     assert grpo_advantages(torch.tensor([]), torch.tensor([], dtype=torch.long)).numel() == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -33,7 +34,7 @@ def _trajectories(vocab: int, groups: int = 3, samples: int = 4, seed: int = 0) 
 
 
 def _trainer(model_dir: str, tmp_path: Path, **overrides) -> Trainer:
-    settings = TrainerSettings(model=model_dir, device="cpu", data_dir=str(tmp_path), **({"lr": 1e-3} | overrides))
+    settings = TrainerSettings(model=model_dir, data_dir=str(tmp_path), **({"device": "cpu", "lr": 1e-3} | overrides))
     return Trainer(settings, registry=None, coord=None, model_dir=Path(model_dir))  # type: ignore[arg-type]
 
 
@@ -92,3 +93,10 @@ def test_batch_gain_is_positive_for_a_descent_step_and_negative_for_ascent(tiny_
     for group in ascent.optimizer.param_groups:
         group["lr"] = -1e-4
     assert ascent.train_step(trajectories)["batch_gain"] < 0
+
+
+@pytest.mark.gpu
+def test_a_step_runs_on_cuda(tiny_model_dir: str, tmp_path: Path) -> None:
+    trainer = _trainer(tiny_model_dir, tmp_path, device="cuda", lr=1e-4, measure_batch_gain=True)
+    metrics = trainer.train_step(_trajectories(vocab=90))
+    assert math.isfinite(metrics["loss"]) and metrics["batch_gain"] > 0
