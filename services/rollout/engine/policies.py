@@ -123,9 +123,11 @@ def pool(scores: torch.Tensor, kv: KVConfig) -> torch.Tensor:
 def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float) -> torch.Tensor:
     """R-KV redundancy of each stored key -> fp32 [B, Hkv, S], a softmax over each row's keys.
 
-    Cosine similarity between the keys of a head (self-similarity 0); for each key, its similarity
-    to its most recent near-duplicate (cosine > threshold) is dropped so that one copy of a
-    repeated pattern survives; the mean similarity to all stored keys is then softmaxed over keys.
+    Cosine similarity between the keys of a head (self-similarity 0). Each key i drops its entry
+    (i, j) for j = its most recent near-duplicate (cosine > threshold); key j's redundancy is then
+    the mean of column j over the stored keys, softmaxed over keys. The column mean is R-KV's axis
+    (upstream `cal_similarity`: `mean(dim=-2)`): every older copy of a repeated key zeroes its entry
+    in the *newest* copy's column, so the newest copy comes out least redundant and survives.
     """
     b, h, s, _ = keys.shape
     out = torch.empty((b, h, s), dtype=torch.float32, device=keys.device)
@@ -145,6 +147,6 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float) ->
         has = latest >= 0
         idx = latest.clamp(min=0).long()
         sim.scatter_(-1, idx, torch.where(has, 0.0, sim.gather(-1, idx)))
-        mean = sim.sum(dim=-1) / ok.sum(dim=-1).clamp(min=1)[:, None, None]
+        mean = sim.sum(dim=-2) / ok.sum(dim=-1).clamp(min=1)[:, None, None]  # column j: redundancy of key j
         out[start:start + step] = mean.masked_fill(~ok[:, None], float("-inf")).softmax(dim=-1)
     return out
