@@ -16,6 +16,7 @@ The three log-probs per token (source: Sparse-RL, arXiv 2601.10079, `mis.py`; se
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, Field
@@ -32,27 +33,46 @@ class CorrectionConfig(BaseModel):
     mask_high: float = 1.5
     token_weight: bool = True
     weight_cap: float = Field(1.5, gt=0, description="w = min(ξ, cap)")
-    normalize_weights: bool = True  # rescale w to mean 1 over surviving tokens of the batch
+    normalize_weights: bool = True  # rescale w to mean 1 over the batch
+    # The tokens that mean is taken over: "response" = every completion token of the batch, masked
+    # and vetoed ones included (Sparse-RL's `mis.py`, `tis_batch_normalize`); "kept" = survivors only.
+    normalize_over: Literal["response", "kept"] = "response"
+
+
+# How token losses become the batch loss. "seq_mean_token_mean" (Sparse-RL's slime default,
+# `sum_of_sample_mean`): each sequence's mean over its kept tokens, then the mean over the batch's
+# sequences, a vetoed sequence counting as 0. "token_mean": the mean over every kept token.
+Aggregation = Literal["seq_mean_token_mean", "token_mean"]
 
 
 class LossConfig(BaseModel):
     clip_eps: float = Field(0.2, ge=0)
     kl_coef: float = Field(0.0, ge=0, description="weight of the k3 KL to the reference policy")
+    aggregation: Aggregation = "seq_mean_token_mean"
     corrections: CorrectionConfig = Field(default_factory=CorrectionConfig)
 
 
 @dataclass(frozen=True)
 class Corrections:
     xi: torch.Tensor  # [B, L] fp32, ξ on completion tokens, 1 elsewhere
+    has_tokens: torch.Tensor  # [B] bool, the sequence has completion tokens
     keep_seq: torch.Tensor  # [B] bool, survived the veto
     keep_token: torch.Tensor  # [B, L] bool, completion token of a kept sequence inside the band
-    weight: torch.Tensor  # [B, L] fp32, 0 on dropped tokens; mean 1 over kept tokens when normalised
+    weight: torch.Tensor  # [B, L] fp32, 0 on dropped tokens; normalised over the batch (normalize_over)
     metrics: dict[str, float]
 
-    def rows(self, rows: slice) -> Corrections:
-        """The corrections of a micro-batch of sequences; weights keep their batch-wide normalisation."""
-        return Corrections(xi=self.xi[rows], keep_seq=self.keep_seq[rows], keep_token=self.keep_token[rows],
-                           weight=self.weight[rows], metrics=self.metrics)
+    def rows(self, rows: slice | torch.Tensor) -> Corrections:
+        """The corrections of some sequences (a slice or an index tensor); weights keep their
+        batch-wide normalisation."""
+        return Corrections(xi=self.xi[rows], has_tokens=self.has_tokens[rows], keep_seq=self.keep_seq[rows],
+                           keep_token=self.keep_token[rows], weight=self.weight[rows], metrics=self.metrics)
+
+    def normalizer(self, aggregation: Aggregation) -> torch.Tensor:
+        """What the summed loss of these sequences is divided by: their kept tokens (token mean)
+        or their sequences with completion tokens, vetoed ones included (sequence mean)."""
+        if aggregation == "token_mean":
+            return self.keep_token.sum()
+        return self.has_tokens.sum()
 
 
 def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -78,6 +98,20 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float =
 def _safe_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     n = mask.sum()
     return float((values * mask).sum() / n) if n > 0 else 0.0
+
+
+XI_QUANTILES = (0.01, 0.1, 0.5, 0.9, 0.99)
+
+
+def xi_quantiles(xi: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """`xi_p01` … `xi_p99`: quantiles of ξ over the completion tokens (1.0 when there are none)."""
+    values = xi[mask].float()
+    if values.numel() > 1 << 20:  # torch.quantile's input limit is 2^24; a strided subsample is plenty
+        values = values[:: values.numel() // (1 << 20) + 1]
+    if values.numel() == 0:
+        return {f"xi_p{round(q * 100):02d}": 1.0 for q in XI_QUANTILES}
+    qs = torch.quantile(values, torch.tensor(XI_QUANTILES, device=values.device)).tolist()
+    return {f"xi_p{round(q * 100):02d}": v for q, v in zip(XI_QUANTILES, qs, strict=True)}
 
 
 def sparse_rl_corrections(
@@ -107,9 +141,11 @@ def sparse_rl_corrections(
 
     weight = keep_token.float()
     if cfg.token_weight:
-        weight = weight * xi.clamp(max=cfg.weight_cap)
+        capped = xi.clamp(max=cfg.weight_cap)
+        weight = weight * capped
+        scope = mask if cfg.normalize_over == "response" else keep_token
         if cfg.normalize_weights and keep_token.any():
-            weight = weight / weight[keep_token].mean()
+            weight = weight / capped[scope].mean()
 
     n_seq = int(has_tokens.sum())
     metrics = {
@@ -118,8 +154,10 @@ def sparse_rl_corrections(
         "xi_mean": _safe_mean(xi, mask),
         "kl_old_sampler": _safe_mean(xi * log_xi - xi + 1.0, mask),
         "kept_tokens": float(keep_token.sum()),
+        **xi_quantiles(xi, mask),
     }
-    return Corrections(xi=xi, keep_seq=keep_seq, keep_token=keep_token, weight=weight, metrics=metrics)
+    return Corrections(xi=xi, has_tokens=has_tokens, keep_seq=keep_seq, keep_token=keep_token, weight=weight,
+                       metrics=metrics)
 
 
 def grpo_loss(
@@ -133,18 +171,21 @@ def grpo_loss(
     corrections: Corrections | None = None,
     normalizer: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Token-level PPO-clip GRPO loss × Sparse-RL weights, averaged over surviving tokens.
+    """PPO-clip GRPO loss × Sparse-RL weights over the surviving tokens, aggregated per `cfg.aggregation`.
 
-    per token:  ℓ_t = −min(r_t A, clip(r_t, 1 ± ε) A) + β·k3_t,   r_t = π_θ/π_old_dense
+    per token:  ℓ_t = −w_t·min(r_t A, clip(r_t, 1 ± ε) A) + β·k3_t,   r_t = π_θ/π_old_dense
                 k3_t = exp(logp_ref − logp_new) − (logp_ref − logp_new) − 1   (Schulman's low-var KL)
-    loss = Σ w_t ℓ_t / N_kept   (w_t ≡ 1 on kept tokens with reweighting off)
+    The KL term is not weighted by ξ (as in Sparse-RL's code). Aggregation:
+      seq_mean_token_mean   Σ_i (Σ_t ℓ_it / n_kept_i) / N_seq   (vetoed sequences add 0, count in N_seq)
+      token_mean            Σ_it ℓ_it / N_kept
 
-    With every switch off this is plain token-mean GRPO. When no token survives, the loss is an
-    exact 0 that still depends on `logp_new`, so `backward()` works and leaves zero gradients.
+    With every switch off and token_mean this is plain token-mean GRPO. When no token survives,
+    the loss is an exact 0 that still depends on `logp_new`, so `backward()` leaves zero gradients.
 
     Micro-batching: compute `corrections` once over the whole batch (`sparse_rl_corrections`), pass
-    each micro-batch its `corrections.rows(...)` and the batch's kept-token count as `normalizer`;
-    the summed micro-batch losses then equal the loss of the whole batch.
+    each micro-batch its `corrections.rows(...)` and, as `normalizer`, the normalizer of all the
+    sequences one optimizer step covers (`corrections.rows(those).normalizer(cfg.aggregation)`);
+    the summed micro-batch losses then equal the loss of those sequences taken together.
     """
     corr = corrections or sparse_rl_corrections(logp_old_dense, logp_sampler, mask, cfg.corrections)
     keep = corr.keep_token
@@ -155,7 +196,7 @@ def grpo_loss(
     adv = advantages.float()[:, None]
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps) * adv
-    per_token = -torch.minimum(unclipped, clipped)
+    per_token = -torch.minimum(unclipped, clipped) * corr.weight
 
     metrics = dict(corr.metrics)
     if logp_ref is not None:
@@ -163,10 +204,14 @@ def grpo_loss(
         k3 = ref_diff.exp() - ref_diff - 1.0
         metrics["kl_ref"] = _safe_mean(k3.detach(), keep)
         if cfg.kl_coef:
-            per_token = per_token + cfg.kl_coef * k3
+            per_token = per_token + cfg.kl_coef * k3 * keep
 
-    n_kept = keep.sum() if normalizer is None else torch.as_tensor(normalizer)
-    loss = (per_token * corr.weight).sum() / n_kept.clamp(min=1)
+    if cfg.aggregation == "token_mean":
+        total = per_token.sum()
+    else:
+        total = (per_token.sum(dim=1) / keep.sum(dim=1).clamp(min=1)).sum()
+    denominator = corr.normalizer(cfg.aggregation) if normalizer is None else torch.as_tensor(normalizer)
+    loss = total / denominator.clamp(min=1)
     metrics["clip_fraction"] = _safe_mean(((ratio - 1.0).abs() > cfg.clip_eps).float().detach(), keep)
     metrics["ratio_mean"] = _safe_mean(ratio.detach(), keep)
     metrics["loss"] = float(loss.detach())

@@ -56,17 +56,47 @@ def test_corrections_hand_example():
     old, sampler, mask = _hand_batch()
     c = sparse_rl_corrections(old, sampler, mask, CorrectionConfig())
     assert c.keep_seq.tolist() == [True, False, True]
+    assert c.has_tokens.tolist() == [True, True, True]
     assert c.keep_token.tolist() == [[False, True, False, True], [False] * 4, [False, True, True, False]]
-    # kept ξ = 1, 0.8, 1.2, 0.6 (mean 0.9) → weights / 0.9
-    assert c.weight[0].tolist() == pytest.approx([0, 1 / 0.9, 0, 0.8 / 0.9], abs=1e-6)
-    assert c.weight[2].tolist() == pytest.approx([0, 1.2 / 0.9, 0.6 / 0.9, 0], abs=1e-6)
-    assert float(c.weight[c.keep_token].mean()) == pytest.approx(1.0, abs=1e-6)
+    # Sparse-RL normalises min(ξ, 1.5) over every response token, masked and vetoed ones included:
+    # 1, 1.5, 0.8, 1e-5, 1, 1, 1.2, 0.6 → mean 7.10001 / 8
+    mean = (1 + 1.5 + 0.8 + 1e-5 + 1 + 1 + 1.2 + 0.6) / 8
+    assert c.weight[0].tolist() == pytest.approx([0, 1 / mean, 0, 0.8 / mean], abs=1e-6)
+    assert c.weight[1].tolist() == [0.0] * 4
+    assert c.weight[2].tolist() == pytest.approx([0, 1.2 / mean, 0.6 / mean, 0], abs=1e-6)
     m = c.metrics
     assert m["rejection_rate"] == pytest.approx(1 / 3)
     assert m["token_mask_rate"] == pytest.approx(1 / 5)  # 1 of the 5 tokens of kept sequences
     assert m["xi_mean"] == pytest.approx((1 + 2 + 0.8 + 1e-5 + 1 + 1 + 1.2 + 0.6) / 8, abs=1e-6)
     k = [x * math.log(x) - x + 1 for x in (1, 2, 0.8, 1e-5, 1, 1, 1.2, 0.6)]
     assert m["kl_old_sampler"] == pytest.approx(sum(k) / 8, abs=1e-5)
+    # Normalised over the kept tokens instead: kept ξ = 1, 0.8, 1.2, 0.6 (mean 0.9) → weights / 0.9
+    kept = sparse_rl_corrections(old, sampler, mask, CorrectionConfig(normalize_over="kept"))
+    assert kept.weight[0].tolist() == pytest.approx([0, 1 / 0.9, 0, 0.8 / 0.9], abs=1e-6)
+    assert kept.weight[2].tolist() == pytest.approx([0, 1.2 / 0.9, 0.6 / 0.9, 0], abs=1e-6)
+    assert float(kept.weight[kept.keep_token].mean()) == pytest.approx(1.0, abs=1e-6)
+    assert c.normalizer("token_mean").item() == 4 and c.normalizer("seq_mean_token_mean").item() == 3
+
+
+def test_sequence_mean_aggregation_hand_example():
+    """Sparse-RL's aggregation: mean over each sequence's kept tokens, then over all sequences,
+    the vetoed one counting as 0; token_mean divides the kept tokens' sum by their count."""
+    old, sampler, mask = _hand_batch()
+    new = old.clone().requires_grad_()  # ratio 1: ℓ_t = −w_t·A
+    adv = torch.tensor([1.0, 1.0, -2.0])
+    cfg = LossConfig()
+    c = sparse_rl_corrections(old, sampler, mask, cfg.corrections)
+    w = c.weight
+    seq0 = -(w[0, 1] + w[0, 3]) / 2
+    seq2 = 2 * (w[2, 1] + w[2, 2]) / 2
+    loss, _ = grpo_loss(new, old, sampler, adv, mask, cfg)
+    assert loss.item() == pytest.approx(float((seq0 + 0 + seq2) / 3), abs=1e-6)
+    token, _ = grpo_loss(new, old, sampler, adv, mask, cfg.model_copy(update={"aggregation": "token_mean"}))
+    assert token.item() == pytest.approx(float((-(w[0, 1] + w[0, 3]) + 2 * (w[2, 1] + w[2, 2])) / 4), abs=1e-6)
+    # Split over micro-batches with the whole batch's normalizer: the same loss.
+    parts = [grpo_loss(new[r], old[r], sampler[r], adv[r], mask[r], cfg, corrections=c.rows(r),
+                       normalizer=c.normalizer(cfg.aggregation))[0] for r in (slice(0, 1), slice(1, 3))]
+    assert sum(p.item() for p in parts) == pytest.approx(loss.item(), abs=1e-6)
 
 
 def test_weights_capped_and_normalised_without_token_mask():
@@ -118,13 +148,17 @@ def test_switches_off_is_plain_token_mean_grpo():
     new = (old + 0.1 * torch.randn(3, 5)).requires_grad_()
     adv = torch.tensor([0.5, -1.0, 2.0])
     mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])
-    loss, m = grpo_loss(new, old, sampler, adv, mask, LossConfig(corrections=OFF))
+    loss, m = grpo_loss(new, old, sampler, adv, mask, LossConfig(corrections=OFF, aggregation="token_mean"))
     ratio = (new - old).exp()
     per = -torch.minimum(ratio * adv[:, None], ratio.clamp(0.8, 1.2) * adv[:, None])
     assert loss.item() == pytest.approx(float((per * mask).sum() / mask.sum()), abs=1e-6)
     assert m["rejection_rate"] == 0.0 and m["token_mask_rate"] == 0.0
-    corrected, _ = grpo_loss(new, old, sampler, adv, mask, LossConfig())
+    corrected, _ = grpo_loss(new, old, sampler, adv, mask, LossConfig(aggregation="token_mean"))
     assert float(corrected) != pytest.approx(loss.item(), abs=1e-4)
+    # The default sequence-mean aggregation: each sequence's token mean, then their mean.
+    seq_mean, _ = grpo_loss(new, old, sampler, adv, mask, LossConfig(corrections=OFF))
+    want = ((per * mask).sum(dim=1) / mask.sum(dim=1)).mean()
+    assert seq_mean.item() == pytest.approx(float(want), abs=1e-6)
 
 
 def test_empty_batch_after_rejection_keeps_grad_path():
@@ -167,5 +201,18 @@ def test_k3_kl_to_reference():
     k3 = 2.0 - LN(2.0) - 1.0
     loss, m = grpo_loss(old.clone(), old, old, torch.tensor([0.0]), torch.tensor([[0, 1]]),
                         LossConfig(kl_coef=0.5, corrections=OFF), logp_ref=ref)
+    assert m["kl_ref"] == pytest.approx(k3, abs=1e-6)
+    assert loss.item() == pytest.approx(0.5 * k3, abs=1e-6)
+
+
+def test_kl_term_is_not_weighted_by_xi():
+    """ξ weights scale the policy-gradient term only (Sparse-RL's loss): with A = 0 the loss is the
+    plain k3 mean even when the kept token's weight is far from 1."""
+    sampler = torch.tensor([[0.0, -1.0, -1.0]])
+    old = sampler + torch.tensor([[0.0, LN(1.4), LN(0.6)]])  # both kept, weights 1.4/x and 0.6/x
+    ref = old + torch.tensor([[0.0, LN(2.0), LN(2.0)]])
+    k3 = 2.0 - LN(2.0) - 1.0
+    loss, m = grpo_loss(old.clone(), old, sampler, torch.tensor([0.0]), torch.tensor([[0, 1, 1]]),
+                        LossConfig(kl_coef=0.5), logp_ref=ref)
     assert m["kl_ref"] == pytest.approx(k3, abs=1e-6)
     assert loss.item() == pytest.approx(0.5 * k3, abs=1e-6)
