@@ -55,6 +55,18 @@ class Sample(BaseModel):
         return self
 
 
+class SamplingInfo(BaseModel):
+    """How a worker sampled: the trainer recomputes log-probs at the same temperature over the
+    full vocabulary, so it checks these against its own before training on the samples."""
+
+    temperature: float = Field(ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    engine: str = "native"
+    kv_policy: str = "dense"
+    kv_budget: int | None = None
+
+
 class Trajectory(BaseModel):
     """All samples of one prompt group, produced under one lease attempt."""
 
@@ -65,6 +77,7 @@ class Trajectory(BaseModel):
     task: str
     prompt: str
     samples: list[Sample]
+    sampling: SamplingInfo | None = None  # None: an older worker that did not say (the trainer refuses it)
     created_at: float = Field(default_factory=time.time)
 
 

@@ -110,6 +110,7 @@ class RolloutCore:
             policy=policy or self.settings.kv_policy,
             budget=budget or self.settings.kv_budget,
             buffer=extra.pop("buffer", None) or self.settings.kv_buffer,
+            keep_prompt=extra.pop("keep_prompt", self.settings.kv_keep_prompt),
             **extra,
         )
 

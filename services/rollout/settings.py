@@ -30,6 +30,10 @@ class RolloutSettings(BaseSettings):
     kv_policy: Literal["dense", "streaming", "snapkv", "h2o", "rkv"] = "rkv"
     kv_budget: int = Field(default=512, ge=1)
     kv_buffer: int = Field(default=128, ge=1)
+    # True: the prompt is never evicted and the budget counts generated tokens only. False:
+    # Sparse-RL's semantics, the budget counts every cached token and the prompt becomes evictable
+    # at the first compression.
+    kv_keep_prompt: bool = True
 
     # Request limits: a request asks for at most max_batch sequences (prompts × n).
     max_batch: int = Field(default=64, ge=1)

@@ -12,14 +12,15 @@ import contextlib
 import hashlib
 import logging
 import time
+from collections.abc import Callable, Sequence
 
 from services.rollout.core import Batch, RolloutCore
-from services.rollout.engine.config import SamplingParams
+from services.rollout.engine.config import GenerationOutput, SamplingParams
 from services.rollout.settings import RolloutSettings
 from services.rollout.sync import WeightSync
 from shared.coord import Coordinator, Lease
-from shared.schemas import KVStats, Sample, Trajectory, WorkerInfo
-from shared.tasks import get_task
+from shared.schemas import KVStats, Sample, SamplingInfo, Trajectory, WorkerInfo
+from shared.tasks import Task, get_task
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +121,9 @@ class RolloutWorker:
         params = SamplingParams(temperature=self.settings.temperature, top_p=self.settings.top_p,
                                 max_new_tokens=max_new, stop_token_ids=self.core.default_stop_ids(),
                                 seed=batch_seed([lease for lease, _ in runnable]))
+        kv = self.core.kv_config()
         try:
-            batch = await self.core.generate(prompts, params, self.core.kv_config())
+            batch = await self.core.generate(prompts, params, kv)
         except Exception:
             log.exception("generation failed; releasing %d leases", len(runnable))
             self.failed_batches += 1
@@ -129,11 +131,14 @@ class RolloutWorker:
                 await self.coord.release(lease)
             self.held = []
             return
+        sampling = SamplingInfo(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                                engine=self.core.engine.name, kv_policy=kv.policy,
+                                kv_budget=None if kv.policy == "dense" else kv.budget)
         offset = 0
         for lease, prompt_ids in runnable:
             outputs = batch.outputs[offset: offset + lease.group.samples]
             offset += lease.group.samples
-            trajectory = self._trajectory(lease, prompt_ids, outputs, batch)
+            trajectory = self._trajectory(lease, prompt_ids, outputs, batch, sampling)
             if await self.coord.complete(lease, trajectory):
                 self.completed += 1
             else:
@@ -154,19 +159,28 @@ class RolloutWorker:
     def _max_new_tokens(self, lease: Lease) -> int:
         return self.settings.max_new_tokens or get_task(lease.group.task).max_new_tokens
 
-    def _trajectory(self, lease: Lease, prompt_ids: list[int], outputs: list, batch: Batch) -> Trajectory:
+    def _trajectory(self, lease: Lease, prompt_ids: list[int], outputs: list, batch: Batch,
+                    sampling: SamplingInfo) -> Trajectory:
         task = get_task(lease.group.task)
-        samples = []
-        for out in outputs:
-            text = self.core.decode(out.token_ids)
-            reward, correct = task.reward(text, lease.group.answer or "")
-            samples.append(Sample(
-                completion=text, prompt_ids=prompt_ids, completion_ids=list(out.token_ids),
-                logprobs=list(out.logprobs), reward=reward, correct=correct,
-                finish_reason=out.finish_reason, kv=KVStats.model_validate(out.kv, from_attributes=True),
-            ))
         return Trajectory(
             group_id=lease.group_id, attempt=lease.attempt, policy_version=batch.version,
             worker_id=self.settings.worker_id, task=lease.group.task, prompt=lease.group.prompt,
-            samples=samples, created_at=time.time(),
+            samples=score_samples(task, lease.group.answer or "", prompt_ids, outputs, self.core.decode),
+            sampling=sampling, created_at=time.time(),
         )
+
+
+def score_samples(task: Task, answer: str, prompt_ids: list[int], outputs: Sequence[GenerationOutput],
+                  decode: Callable[[Sequence[int]], str]) -> list[Sample]:
+    """The samples of one prompt: decoded, scored by the task's reward, with the sampler's log-probs
+    and KV statistics (also what bench.learning trains on, in-process)."""
+    samples = []
+    for out in outputs:
+        text = decode(out.token_ids)
+        reward, correct = task.reward(text, answer)
+        samples.append(Sample(
+            completion=text, prompt_ids=prompt_ids, completion_ids=list(out.token_ids),
+            logprobs=list(out.logprobs), reward=reward, correct=correct,
+            finish_reason=out.finish_reason, kv=KVStats.model_validate(out.kv, from_attributes=True),
+        ))
+    return samples

@@ -207,6 +207,8 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
             "queue": stats,
             "workers": [w.model_dump() for w in workers],
             "last": trainer.history[-1] if trainer and trainer.history else None,
+            # Trajectories the trainer would not train on (sampling contract), by reason.
+            "refused_trajectories": dict(trainer.refused) if trainer else {},
         }
 
     @app.get("/v1/versions")

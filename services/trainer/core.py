@@ -10,7 +10,6 @@ so versions stay a chain.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -21,11 +20,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
-from services.trainer.batching import TrainBatch, collate
-from services.trainer.loss import grpo_advantages, grpo_loss, sparse_rl_corrections
-from services.trainer.rollout_math import token_logprobs
+from services.trainer.learner import Learner
 from services.trainer.settings import TrainerSettings
 from shared.coord import Coordinator
 from shared.patch import extract_patch, fingerprint, read_header, save_snapshot
@@ -49,25 +46,6 @@ def resolve_model_dir(settings: TrainerSettings) -> Path:
     return path
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def published_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """bf16 copies of the weights under the names HF's save_pretrained writes: a tied lm_head
-    shares the embedding's storage and is listed once (the first name), like the rollout engines."""
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, tensor in model.state_dict().items():
-        if tensor.data_ptr() in seen:
-            continue
-        seen.add(tensor.data_ptr())
-        out[name] = tensor.detach().to(torch.bfloat16, copy=True)
-    return out
-
-
 class Trainer:
     def __init__(self, settings: TrainerSettings, registry: RegistryClient, coord: Coordinator,
                  model_dir: Path | None = None) -> None:
@@ -75,19 +53,13 @@ class Trainer:
         self.registry = registry
         self.coord = coord
         self.model_dir = model_dir or resolve_model_dir(settings)
-        self.device = resolve_device(settings.device)
         self.data_dir = Path(settings.data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        torch.manual_seed(settings.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
-        self.model.config.use_cache = False
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
-                                           betas=(settings.beta1, settings.beta2))
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.learner = Learner(settings, self.model_dir, pad_id)
         self.version = 0  # the version published (and announced) last
-        self.step = 0
-        self.published = published_state(self.model)
+        self.published = self.learner.published_state()
         self.dense_bytes = sum(t.numel() * t.element_size() for t in self.published.values())
         self.numel = sum(t.numel() for t in self.published.values())
         self.history: list[dict[str, Any]] = []
@@ -99,6 +71,9 @@ class Trainer:
         self.last_error: str | None = None
         self._publish_task: asyncio.Task | None = None
         self._pending: list[Trajectory] = []  # collected when a pause came; trained after resume
+        # Trajectories refused by the sampling contract, by reason (they are not trained on).
+        self.refused: dict[str, int] = {}
+        self._refused_this_step = 0
 
     # -- startup and resume --
 
@@ -141,15 +116,13 @@ class Trainer:
                 await self.registry.put_model_file(name, path.read_bytes())
 
     def _load_published(self, state: dict[str, torch.Tensor], version: int) -> None:
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, tensor in state.items():
-                target = params.get(name)
-                if target is None:
-                    target = self.model.get_buffer(name)
-                target.copy_(tensor.to(target.device, target.dtype))
-        self.published = published_state(self.model)
+        self.learner.load_published(state)
+        self.published = self.learner.published_state()
         self.version = version
+
+    @property
+    def step(self) -> int:
+        return self.learner.step
 
     @staticmethod
     def _cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -174,7 +147,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 metrics = await asyncio.to_thread(self.train_step, trajectories)
                 metrics["train_seconds"] = time.perf_counter() - t0
-                new_state = published_state(self.model)
+                new_state = self.learner.published_state()
                 await self.wait_published()  # the previous patch is the base of this one
                 self._publish_task = asyncio.create_task(self.publish(new_state, metrics, t0))
             await self.wait_published()
@@ -196,75 +169,44 @@ class Trainer:
             if self.paused.is_set():
                 self._pending = got
                 return []
-            got += await self.coord.next_trajectories(wanted - len(got), block_ms=500)
+            got += [t for t in await self.coord.next_trajectories(wanted - len(got), block_ms=500)
+                    if self._accept(t)]
             if time.monotonic() > deadline and got:
                 break
         if stop.is_set():
             return []  # unfinished batch: not trained, the groups are already counted
         return got
 
+    def sampling_mismatch(self, trajectory: Trajectory) -> str | None:
+        """Why the trainer cannot correct for how this trajectory was sampled, or None.
+
+        logp_old_dense is recomputed at the trainer's temperature over the full vocabulary, and the
+        recorded sampler log-probs are taken before top-k/top-p: a worker sampling at another
+        temperature or with a truncated distribution would make ξ measure that, not the KV cache.
+        """
+        got, s = trajectory.sampling, self.settings
+        if got is None:
+            return "the worker did not report its sampling parameters"
+        if got.temperature != s.temperature:
+            return f"sampled at temperature {got.temperature}, the trainer assumes {s.temperature}"
+        if got.top_p != s.top_p or got.top_k != 0:
+            return f"sampled with top_p={got.top_p}, top_k={got.top_k}; the trainer assumes top_p={s.top_p}, top_k=0"
+        return None
+
+    def _accept(self, trajectory: Trajectory) -> bool:
+        reason = self.sampling_mismatch(trajectory)
+        if reason is None:
+            return True
+        if reason not in self.refused:
+            log.warning("refusing trajectories of worker %s: %s", trajectory.worker_id, reason)
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+        self._refused_this_step += 1
+        return False
+
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, Any]:
-        s = self.settings
-        batch = collate(trajectories, self.pad_id).to(self.device)
-        advantages = grpo_advantages(batch.rewards, batch.group_index)
-        mask = batch.completion_mask
-        self.model.train()
-        with torch.no_grad(), self._autocast():
-            logp_old = torch.cat([self._logprobs(batch, rows) for rows in self._micro_batches(batch)])
-        corrections = sparse_rl_corrections(logp_old, batch.logp_sampler, mask, s.loss.corrections)
-        kept = corrections.keep_token.sum().clamp(min=1)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_total, clip_sum = 0.0, 0.0
-        for rows in self._micro_batches(batch):
-            with self._autocast():
-                logp_new = self._logprobs(batch, rows)
-            loss, m = grpo_loss(logp_new, logp_old[rows], batch.logp_sampler[rows], advantages[rows], mask[rows],
-                                s.loss, corrections=corrections.rows(rows), normalizer=kept)
-            loss.backward()
-            loss_total += float(loss.detach())
-            clip_sum += m["clip_fraction"] * float(corrections.keep_token[rows].sum())
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip))
-        self.optimizer.step()
-        self.step += 1
-        gain: dict[str, float] = {}
-        if s.measure_batch_gain:
-            with torch.no_grad(), self._autocast():
-                logp_after = torch.cat([self._logprobs(batch, rows) for rows in self._micro_batches(batch)])
-            moved = (logp_after - logp_old) * advantages[:, None] * corrections.keep_token
-            gain["batch_gain"] = float(moved.sum() / kept)
-        lengths = batch.attention_mask.sum(dim=1).float()
-        completion_lengths = mask.sum(dim=1).float()
-        return {
-            "step": self.step,
-            "groups": len(trajectories),
-            "sequences": batch.sequences,
-            "reward_mean": float(batch.rewards.mean()),
-            "reward_std": float(batch.rewards.std()) if batch.sequences > 1 else 0.0,
-            "accuracy": float(batch.correct.float().mean()),
-            "loss": loss_total,
-            "grad_norm": grad_norm,
-            "clip_fraction": clip_sum / float(kept),
-            "completion_tokens_mean": float(completion_lengths.mean()),
-            # KV the samplers kept vs what a dense cache holds at the end of each sequence.
-            "kv_saved": float(1 - batch.kv_peak_tokens.sum() / lengths.sum()) if batch.kv_peak_tokens.sum() > 0 else 0.0,
-            "kv_peak_bytes_mean": float(batch.kv_peak_bytes.mean()),
-            "staleness": {str(k): v for k, v in batch.staleness(self.version).items()},
-            **{k: v for k, v in corrections.metrics.items() if k != "kept_tokens"},
-            **gain,
-        }
-
-    def _micro_batches(self, batch: TrainBatch) -> list[slice]:
-        size = self.settings.micro_batch
-        return [slice(i, min(i + size, batch.sequences)) for i in range(0, batch.sequences, size)]
-
-    def _logprobs(self, batch: TrainBatch, rows: slice) -> torch.Tensor:
-        return token_logprobs(self.model, batch.input_ids[rows], batch.attention_mask[rows],
-                              batch.completion_mask[rows], self.settings.temperature)
-
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if not self.settings.bf16_autocast:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        metrics = self.learner.train_step(trajectories, version=self.version)
+        metrics["refused_trajectories"], self._refused_this_step = self._refused_this_step, 0
+        return metrics
 
     # -- publishing --
 
@@ -316,10 +258,8 @@ class Trainer:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         torch.save({
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            **self.learner.state_dict(),
             "version": self.version,
-            "step": self.step,
             "history": self.history,
             "rng": torch.get_rng_state(),
             "numpy_rng": np.random.get_state(),
@@ -334,13 +274,12 @@ class Trainer:
         return self.checkpoint_dir
 
     def _load_checkpoint(self) -> None:
-        ckpt = torch.load(self.checkpoint_dir / "trainer.pt", map_location=self.device, weights_only=False)
-        self.model.load_state_dict(ckpt["model"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
-        self.version, self.step, self.history = ckpt["version"], ckpt["step"], ckpt["history"]
+        ckpt = torch.load(self.checkpoint_dir / "trainer.pt", map_location=self.learner.device, weights_only=False)
+        self.learner.load_state_dict(ckpt)
+        self.version, self.history = ckpt["version"], ckpt["history"]
         torch.set_rng_state(ckpt["rng"])
         np.random.set_state(ckpt["numpy_rng"])
-        self.published = published_state(self.model)
+        self.published = self.learner.published_state()
         log.info("resumed from checkpoint: step %d, v%d", self.step, self.version)
 
 

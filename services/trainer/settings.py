@@ -38,10 +38,15 @@ class TrainerSettings(BaseSettings):
     beta2: float = 0.98
     grad_clip: float = Field(default=1.0, gt=0)
     loss: LossConfig = Field(default_factory=LossConfig)
-    # Must equal the workers' sampling temperature: logp_old_dense is recomputed at it.
+    # Must equal the workers' sampling temperature and top-p: logp_old_dense is recomputed at this
+    # temperature over the full vocabulary; trajectories sampled otherwise are refused and counted.
     temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
     groups_per_step: int = Field(default=16, ge=1)
     micro_batch: int = Field(default=64, ge=1, description="sequences per forward/backward pass")
+    # Optimizer steps per rollout batch, each on a shuffled 1/N of its sequences: the PPO ratio then
+    # moves off 1 between updates and the clip acts (Sparse-RL: 4). 1 = one step on the whole batch.
+    ppo_updates: int = Field(default=4, ge=1)
     collect_timeout_s: float = Field(default=600.0, gt=0, description="step with what arrived after this")
     max_steps: int = Field(default=0, ge=0, description="0 = train until stopped")
     bf16_autocast: bool = True

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from services.trainer.batching import collate
-from services.trainer.core import Trainer, published_state
+from services.trainer.core import Trainer
+from services.trainer.learner import Learner, published_state
 from services.trainer.settings import TrainerSettings
 from shared.patch import apply_patch, extract_patch, fingerprint, read_header
-from shared.schemas import KVStats, Sample, Trajectory
+from shared.schemas import KVStats, Sample, SamplingInfo, Trajectory
 
 
 def _trajectories(vocab: int, groups: int = 3, samples: int = 4, seed: int = 0) -> list[Trajectory]:
@@ -33,9 +34,17 @@ def _trajectories(vocab: int, groups: int = 3, samples: int = 4, seed: int = 0) 
     return out
 
 
+def _settings(model_dir: str, tmp_path: Path, **overrides) -> TrainerSettings:
+    return TrainerSettings(model=model_dir, data_dir=str(tmp_path), **({"device": "cpu", "lr": 1e-3} | overrides))
+
+
 def _trainer(model_dir: str, tmp_path: Path, **overrides) -> Trainer:
-    settings = TrainerSettings(model=model_dir, data_dir=str(tmp_path), **({"device": "cpu", "lr": 1e-3} | overrides))
-    return Trainer(settings, registry=None, coord=None, model_dir=Path(model_dir))  # type: ignore[arg-type]
+    return Trainer(_settings(model_dir, tmp_path, **overrides), registry=None, coord=None,  # type: ignore[arg-type]
+                   model_dir=Path(model_dir))
+
+
+def _learner(model_dir: str, tmp_path: Path, **overrides) -> Learner:
+    return Learner(_settings(model_dir, tmp_path, **overrides), Path(model_dir), pad_id=0)
 
 
 def test_collate_aligns_sampler_logprobs_with_completion_tokens() -> None:
@@ -54,8 +63,8 @@ def test_collate_aligns_sampler_logprobs_with_completion_tokens() -> None:
 
 def test_micro_batching_gives_the_same_update(tiny_model_dir: str, tmp_path: Path) -> None:
     trajectories = _trajectories(vocab=90)
-    whole = _trainer(tiny_model_dir, tmp_path / "a", micro_batch=64, bf16_autocast=False)
-    split = _trainer(tiny_model_dir, tmp_path / "b", micro_batch=5, bf16_autocast=False)
+    whole = _learner(tiny_model_dir, tmp_path / "a", micro_batch=64, bf16_autocast=False)
+    split = _learner(tiny_model_dir, tmp_path / "b", micro_batch=2, bf16_autocast=False)
     m_whole = whole.train_step(trajectories)
     m_split = split.train_step(trajectories)
     assert m_whole["loss"] == pytest.approx(m_split["loss"], rel=1e-4, abs=1e-6)
@@ -64,16 +73,16 @@ def test_micro_batching_gives_the_same_update(tiny_model_dir: str, tmp_path: Pat
     for key in ("reward_mean", "reward_std", "accuracy", "rejection_rate", "token_mask_rate", "xi_mean",
                 "kl_old_sampler", "kv_saved", "staleness", "grad_norm"):
         assert key in m_whole
-    assert m_whole["step"] == 1 and m_whole["sequences"] == 12
+    assert m_whole["step"] == 1 and m_whole["sequences"] == 12 and m_whole["updates"] == 4
 
 
 def test_step_changes_a_sparse_set_of_bf16_weights_and_the_patch_is_exact(tiny_model_dir: str, tmp_path: Path) -> None:
     trainer = _trainer(tiny_model_dir, tmp_path, lr=1e-5)
     before = trainer.published
     assert "lm_head.weight" not in before  # tied: listed once, as save_pretrained does
-    assert fingerprint(before) == fingerprint(published_state(trainer.model))
+    assert fingerprint(before) == fingerprint(published_state(trainer.learner.model))
     trainer.train_step(_trajectories(vocab=90))
-    after = published_state(trainer.model)
+    after = published_state(trainer.learner.model)
     patch = extract_patch(before, after, run="r", base_version=0, target_version=1)
     header = read_header(patch)
     assert 0 < header.changed < trainer.numel  # something moved, not everything
@@ -85,11 +94,11 @@ def test_step_changes_a_sparse_set_of_bf16_weights_and_the_patch_is_exact(tiny_m
 
 def test_batch_gain_is_positive_for_a_descent_step_and_negative_for_ascent(tiny_model_dir: str, tmp_path: Path) -> None:
     trajectories = _trajectories(vocab=90)
-    assert "batch_gain" not in _trainer(tiny_model_dir, tmp_path / "off").train_step(trajectories)
-    descent = _trainer(tiny_model_dir, tmp_path / "d", lr=1e-4, measure_batch_gain=True).train_step(trajectories)
+    assert "batch_gain" not in _learner(tiny_model_dir, tmp_path / "off").train_step(trajectories)
+    descent = _learner(tiny_model_dir, tmp_path / "d", lr=1e-4, measure_batch_gain=True).train_step(trajectories)
     assert descent["batch_gain"] > 0
     # A negative learning rate walks up the loss: the metric must see the policy move the wrong way.
-    ascent = _trainer(tiny_model_dir, tmp_path / "a", lr=1e-4, measure_batch_gain=True)
+    ascent = _learner(tiny_model_dir, tmp_path / "a", lr=1e-4, measure_batch_gain=True)
     for group in ascent.optimizer.param_groups:
         group["lr"] = -1e-4
     assert ascent.train_step(trajectories)["batch_gain"] < 0
@@ -97,6 +106,59 @@ def test_batch_gain_is_positive_for_a_descent_step_and_negative_for_ascent(tiny_
 
 @pytest.mark.gpu
 def test_a_step_runs_on_cuda(tiny_model_dir: str, tmp_path: Path) -> None:
-    trainer = _trainer(tiny_model_dir, tmp_path, device="cuda", lr=1e-4, measure_batch_gain=True)
-    metrics = trainer.train_step(_trajectories(vocab=90))
+    learner = _learner(tiny_model_dir, tmp_path, device="cuda", lr=1e-4, measure_batch_gain=True, loss={"kl_coef": 0.01})
+    metrics = learner.train_step(_trajectories(vocab=90))
     assert math.isfinite(metrics["loss"]) and metrics["batch_gain"] > 0
+
+
+def test_ppo_updates_move_the_ratio_so_the_clip_acts(tiny_model_dir: str, tmp_path: Path) -> None:
+    trajectories = _trajectories(vocab=90)
+    one = _learner(tiny_model_dir, tmp_path / "one", lr=3e-3, ppo_updates=1)
+    metrics = one.train_step(trajectories)
+    # One update on the whole batch: the ratio is exactly 1 when the loss is taken.
+    assert metrics["updates"] == 1 and metrics["clip_fraction"] == 0.0
+    four = _learner(tiny_model_dir, tmp_path / "four", lr=3e-3, ppo_updates=4)
+    metrics = four.train_step(trajectories)
+    assert metrics["updates"] == 4 and metrics["clip_fraction"] > 0
+    steps = {int(state["step"]) for state in four.optimizer.state.values()}
+    assert steps == {4}  # four AdamW steps on every parameter
+
+
+def test_kl_reference_is_the_frozen_starting_policy(tiny_model_dir: str, tmp_path: Path) -> None:
+    trajectories = _trajectories(vocab=90)
+    plain = _learner(tiny_model_dir, tmp_path / "plain", lr=1e-3)
+    assert plain.ref_model is None and "kl_ref" not in plain.train_step(trajectories)
+    learner = _learner(tiny_model_dir, tmp_path / "kl", lr=1e-3, loss={"kl_coef": 0.1})
+    ref_before = {k: v.clone() for k, v in learner.ref_model.state_dict().items()}
+    first = learner.train_step(trajectories)
+    second = learner.train_step(trajectories)
+    assert 0 <= first["kl_ref"] < second["kl_ref"]  # the policy drifts away from the anchor
+    assert all(torch.equal(ref_before[k], v) for k, v in learner.ref_model.state_dict().items())
+    assert not any(p.requires_grad for p in learner.ref_model.parameters())
+
+
+def test_correction_metrics_split_by_staleness(tiny_model_dir: str, tmp_path: Path) -> None:
+    trajectories = _trajectories(vocab=90)
+    trajectories[0] = trajectories[0].model_copy(update={"policy_version": 2})
+    metrics = _learner(tiny_model_dir, tmp_path).train_step(trajectories, version=2)
+    assert metrics["staleness"] == {"0": 1, "2": 2}
+    split = metrics["by_staleness"]
+    assert split["0"]["sequences"] == 4 and split["2"]["sequences"] == 8
+    assert set(split["0"]) == {"xi_mean", "kl_old_sampler", "rejection_rate", "token_mask_rate", "sequences"}
+
+
+def test_trainer_refuses_trajectories_sampled_otherwise(tiny_model_dir: str, tmp_path: Path) -> None:
+    trainer = _trainer(tiny_model_dir, tmp_path, temperature=1.0)
+    good = _trajectories(vocab=90, groups=1)[0].model_copy(update={"sampling": SamplingInfo(temperature=1.0)})
+    assert trainer.sampling_mismatch(good) is None
+    hot = good.model_copy(update={"sampling": SamplingInfo(temperature=0.7)})
+    nucleus = good.model_copy(update={"sampling": SamplingInfo(temperature=1.0, top_p=0.9)})
+    unknown = good.model_copy(update={"sampling": None})
+    assert "temperature 0.7" in trainer.sampling_mismatch(hot)
+    assert "top_p=0.9" in trainer.sampling_mismatch(nucleus)
+    assert "did not report" in trainer.sampling_mismatch(unknown)
+    accepted = [t for t in (good, hot, nucleus, unknown, hot) if trainer._accept(t)]
+    assert accepted == [good] and sum(trainer.refused.values()) == 4 and len(trainer.refused) == 3
+    metrics = trainer.train_step([good])
+    assert metrics["refused_trajectories"] == 4
+    assert trainer.train_step([good])["refused_trajectories"] == 0
