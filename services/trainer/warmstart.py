@@ -62,6 +62,11 @@ class WarmstartRecipe(BaseModel):
                                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
     )
     eval_prompts: int = 128
+    device: str = "cpu"  # "cuda" for the larger GPU recipes (bench.learning); CPU runs are byte-deterministic
+    # Stop early once the sampled (T = 1) accuracy on `eval_prompts` fresh prompts of the first task
+    # reaches this, checked every `check_every` steps: RL wants a *partial* warm start.
+    sampled_target: float | None = None
+    check_every: int = 250
 
     def fingerprint(self) -> str:
         """Hash of everything that determines the weights: recipe, vocab, code version."""
@@ -86,7 +91,9 @@ def _seed_everything(recipe: WarmstartRecipe) -> None:
     random.seed(recipe.seed)
     torch.manual_seed(recipe.seed)
     torch.set_num_threads(recipe.threads)
-    torch.use_deterministic_algorithms(True)
+    # CUDA kernels (cuBLAS, index_add) are only deterministic with extra settings; the GPU recipes
+    # are not promised to be byte-reproducible.
+    torch.use_deterministic_algorithms(True, warn_only=recipe.device != "cpu")
 
 
 def _sft_batch(examples: list[tuple[str, str]], tokenizer: PreTrainedTokenizerFast) -> dict[str, torch.Tensor]:
@@ -116,16 +123,18 @@ def _sample_examples(tasks: dict[str, Task], mix: dict[str, float], n: int, rng:
 
 @torch.no_grad()
 def evaluate(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, task: Task, n: int, seed: int,
-             batch_size: int = 64) -> dict[str, float]:
-    """Greedy accuracy and mean reward of `model` on `n` fresh prompts of `task`."""
+             batch_size: int = 64, sample: bool = False) -> dict[str, float]:
+    """Greedy (or, with `sample`, T = 1) accuracy and mean reward of `model` on `n` fresh prompts of `task`."""
+    was_training = model.training
     model.eval()
     prompts = task.make_prompts(n, seed)
     rewards, correct = [], []
     tokenizer.padding_side = "left"
+    sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if sample else {"do_sample": False}
     for start in range(0, n, batch_size):
         chunk = prompts[start : start + batch_size]
-        enc = tokenizer([p for p, _ in chunk], return_tensors="pt", padding=True)
-        out = model.generate(**enc, do_sample=False, max_new_tokens=task.max_new_tokens,
+        enc = tokenizer([p for p, _ in chunk], return_tensors="pt", padding=True).to(model.device)
+        out = model.generate(**enc, **sampling, max_new_tokens=task.max_new_tokens,
                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         for text, (_, answer) in zip(texts, chunk, strict=True):
@@ -133,6 +142,7 @@ def evaluate(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, task: 
             rewards.append(r)
             correct.append(ok)
     tokenizer.padding_side = "right"
+    model.train(was_training)
     return {"accuracy": sum(correct) / n, "mean_reward": sum(rewards) / n}
 
 
@@ -144,8 +154,10 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     config = build_model_config(recipe, tokenizer)
-    model = Qwen3ForCausalLM(config).float()
+    device = torch.device(recipe.device)
+    model = Qwen3ForCausalLM(config).float().to(device)
     tasks = {name: get_task(name, **recipe.task_options.get(name, {})) for name in recipe.task_mix}
+    first_task = tasks[sorted(recipe.task_mix)[0]]
     rng = random.Random(recipe.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.98),
                                   weight_decay=recipe.weight_decay)
@@ -157,27 +169,40 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
         return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
     model.train()
-    losses = []
+    losses, checks = [], []
+    steps_done = 0
     for step in range(recipe.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
         batch = _sft_batch(_sample_examples(tasks, recipe.task_mix, recipe.batch_size, rng), tokenizer)
-        loss = model(**batch).loss
+        loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
+        steps_done = step + 1
         if log_every and (step + 1) % log_every == 0:
             print(f"warmstart step {step + 1}/{recipe.steps} loss {sum(losses[-log_every:]) / log_every:.4f} "
                   f"{time.perf_counter() - started:.0f}s cpu {time.process_time():.0f}s", flush=True)
+        if recipe.sampled_target is not None and (step + 1) % recipe.check_every == 0:
+            # A fixed seed per check (not the data stream's), so checking never changes the training data.
+            sampled = evaluate(model, tokenizer, first_task, recipe.eval_prompts, seed=recipe.seed + 7_000_001 + step,
+                               sample=True)
+            checks.append({"step": step + 1, "sampled_accuracy": sampled["accuracy"]})
+            print(f"warmstart step {step + 1} sampled accuracy {sampled['accuracy']:.3f}", flush=True)
+            if sampled["accuracy"] >= recipe.sampled_target:
+                break
     train_s = time.perf_counter() - started
 
     model = model.to(torch.bfloat16)
     metrics = {}
     if recipe.eval_prompts:
         metrics = {name: evaluate(model, tokenizer, tasks[name], recipe.eval_prompts, seed=recipe.seed + 1_000_003)
+                   | {"sampled": evaluate(model, tokenizer, tasks[name], recipe.eval_prompts,
+                                          seed=recipe.seed + 1_000_003, sample=True)}
                    for name in sorted(tasks)}
+    model = model.cpu()
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
@@ -189,7 +214,7 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
         "recipe": recipe.model_dump(), "recipe_hash": recipe.fingerprint(),
         "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
         "train_seconds": round(train_s, 1), "total_seconds": round(time.perf_counter() - started, 1),
-        "threads": recipe.threads, "eval": metrics,
+        "threads": recipe.threads, "steps_done": steps_done, "sampled_checks": checks, "eval": metrics,
     }
     (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     (out_dir / STAMP_FILE).write_text(recipe.fingerprint() + "\n")

@@ -1,0 +1,449 @@
+"""Sparse-RL's learning claims on a model trained from scratch: `python -m bench.learning`.
+
+Arms (Sparse-RL, arXiv 2601.10079; REFERENCE §1):
+  dense      rollouts with a dense KV cache: the reference run
+  naive      R-KV rollouts at the calibrated budget, every correction off: the sparse sampler's
+             tokens are trained on as if the dense policy had sampled them
+  sparse_rl  R-KV rollouts with the sequence veto, the token mask and ξ reweighting
+  tis        (optional) R-KV rollouts with truncated, normalised ξ weights only
+
+Every arm runs synchronously (staleness 0) in a process of its own, with the services' code: our
+engine (`LLMEngine`) samples a batch, `services.rollout.worker.score_samples` scores it, the
+trainer's `Learner` (same `token_logprobs`, corrections and loss) takes `ppo_updates` AdamW steps,
+and the new bf16 weights are copied into the engine. Same prompts and seeds across arms, so arms
+are compared pairwise per seed.
+
+Stages:
+1. Warm start (cached under --cache): a Qwen3-shaped model with the character vocabulary trained
+   from scratch by SFT (services.trainer.warmstart) until its sampled (T = 1) accuracy reaches the
+   preset's target, so RL has room.
+2. Calibration: sampled accuracy under R-KV at each candidate budget vs dense on fresh prompts;
+   the budget whose sparse/dense ratio is nearest the middle of [0.4, 0.7] is used by every arm.
+3. Arms × seeds in parallel processes; a held-out evaluation every `eval_every` steps on fixed
+   prompts, greedy and T = 1, under dense inference, R-KV at the training budget and at half of it.
+4. Criteria, fixed before any run (CRITERIA below), judged on held-out T = 1 accuracy averaged
+   over seeds, then JSON to bench/results/ (`plot` draws the PNG from it).
+
+    python -m bench.learning --preset gpu --device cuda          # ~10 min of one H100 (docs/training.md)
+    python -m bench.learning --preset smoke                      # a CPU check of the whole pipeline
+    python -m bench.learning plot bench/results/learning-gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, Field
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
+from services.rollout.worker import score_samples
+from services.trainer.learner import Learner
+from services.trainer.loss import CorrectionConfig, LossConfig
+from services.trainer.settings import TrainerSettings
+from services.trainer.warmstart import WarmstartRecipe, ensure_warmstart_model
+from shared.schemas import SamplingInfo, Trajectory
+from shared.tasks import Task, get_task
+
+RESULTS = Path(__file__).resolve().parent / "results"
+EVAL_SEED = 990_001  # held-out prompts: one fixed set for every arm, seed and evaluation
+CALIBRATION_SEED = 990_002
+TRAIN_SEED_STRIDE = 1_000_003  # prompts of step t for seed s: seed s * stride + t
+
+OFF = CorrectionConfig(sequence_veto=False, token_mask=False, token_weight=False)
+ARMS: dict[str, tuple[str, CorrectionConfig]] = {  # name -> (rollout KV policy, corrections)
+    "dense": ("dense", CorrectionConfig()),
+    "naive": ("rkv", OFF),
+    "sparse_rl": ("rkv", CorrectionConfig()),
+    "tis": ("rkv", CorrectionConfig(sequence_veto=False, token_mask=False)),
+}
+# Fixed before the runs (issue 12). Accuracy = held-out T = 1 accuracy under dense inference,
+# mean over seeds; "sparse" = under R-KV at the training budget.
+CRITERIA = {
+    "a": "RL helps: dense gains >= 15 points over its warm start",
+    "b": "naive sparse ends >= 10 points below dense, or degrades while its mismatch (KL old||sampler) grows",
+    "c": "Sparse-RL ends within 3 points of dense",
+    "d": "under sparse inference, Sparse-RL's sparse/dense accuracy ratio beats the dense-trained model's by >= 5 points",
+}
+
+
+class LearningConfig(BaseModel):
+    recipe: WarmstartRecipe
+    device: str = "cpu"
+    steps: int = Field(ge=1)
+    groups: int = Field(ge=1, description="prompts per step")
+    samples: int = Field(ge=2, description="samples per prompt (a GRPO group)")
+    lr: float = Field(gt=0)
+    ppo_updates: int = Field(default=4, ge=1)
+    kl_coef: float = 0.0
+    weight_decay: float = 0.0
+    temperature: float = 1.0
+    micro_batch: int = 512
+    kv_budget: int | None = None  # None: calibrate from kv_budgets
+    kv_budgets: list[int] = Field(default_factory=lambda: [16, 24, 32, 48, 64])
+    kv_buffer: int = 16
+    keep_prompt: bool = True
+    calibration_prompts: int = 512
+    target_ratio: tuple[float, float] = (0.4, 0.7)
+    eval_every: int = 25
+    eval_prompts: int = 1000
+    eval_batch: int = 1000
+    threads: int = 2
+
+    def task(self) -> Task:
+        return get_task("addition", **self.recipe.task_options.get("addition", {}))
+
+
+# Warm-start recipe of the GPU experiment: ~4.8M parameters (hidden 256, 6 layers, 8 heads / 4 KV
+# heads of 32), additions of 6-12 digits (completions of 65-125 tokens, so eviction bites).
+GPU_RECIPE = WarmstartRecipe(
+    steps=8000, batch_size=128, lr=1e-3, warmup_steps=100, device="cuda", threads=2,
+    task_options={"addition": {"min_digits": 6, "max_digits": 12}},
+    model_overrides={"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 6,
+                     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32},
+    eval_prompts=256, sampled_target=0.35, check_every=250,
+)
+PRESETS: dict[str, LearningConfig] = {
+    "gpu": LearningConfig(recipe=GPU_RECIPE, device="cuda", steps=150, groups=64, samples=8, lr=1e-4),
+    # The whole pipeline on a CPU in a few minutes: the demo's warm start, tiny batches.
+    "smoke": LearningConfig(recipe=WarmstartRecipe(), steps=3, groups=4, samples=4, lr=3e-5, kv_budgets=[16, 32],
+                            kv_buffer=8, calibration_prompts=32, eval_every=2, eval_prompts=32, eval_batch=32,
+                            threads=1),
+}
+
+
+# -- sampling and evaluation with the engine --
+
+
+def sync_weights(learner: Learner, engine: LLMEngine) -> None:
+    """Copy the learner's bf16-cast weights into the engine (what a published patch would do)."""
+    live = engine.state_dict()
+    for name, tensor in learner.published_state().items():
+        live[name].copy_(tensor)
+
+
+def generate(engine: LLMEngine, tokenizer: PreTrainedTokenizerBase, task: Task, prompts: list[str], samples: int,
+             kv: KVConfig, temperature: float, seed: int, batch: int) -> list[tuple[list[int], list]]:
+    """(prompt ids, outputs) per prompt, `samples` outputs each, in engine batches of ≤ `batch` sequences."""
+    ids = [tokenizer(p).input_ids for p in prompts]
+    per_batch = max(1, batch // samples)
+    out = []
+    for start in range(0, len(ids), per_batch):
+        chunk = ids[start:start + per_batch]
+        params = SamplingParams(temperature=temperature, max_new_tokens=task.max_new_tokens,
+                                stop_token_ids=(tokenizer.eos_token_id,), seed=seed + start)
+        outputs = engine.generate([p for p in chunk for _ in range(samples)], params, kv)
+        out += [(p, outputs[i * samples:(i + 1) * samples]) for i, p in enumerate(chunk)]
+    return out
+
+
+def evaluate(engine: LLMEngine, tokenizer: PreTrainedTokenizerBase, task: Task, pairs: list[tuple[str, str]],
+             kv: KVConfig, temperature: float, batch: int) -> dict[str, float]:
+    results = generate(engine, tokenizer, task, [p for p, _ in pairs], 1, kv, temperature, EVAL_SEED, batch)
+    rewards, correct, lengths, peak, total = [], [], [], 0, 0
+    for (prompt_ids, outputs), (_, answer) in zip(results, pairs, strict=True):
+        out = outputs[0]
+        reward, ok = task.reward(tokenizer.decode(out.token_ids, skip_special_tokens=True), answer)
+        rewards.append(reward)
+        correct.append(ok)
+        lengths.append(len(out.token_ids))
+        peak += out.kv.peak_tokens
+        total += len(prompt_ids) + len(out.token_ids)
+    n = len(pairs)
+    return {"accuracy": sum(correct) / n, "reward": sum(rewards) / n, "length": sum(lengths) / n,
+            "kv_saved": 1 - peak / total}
+
+
+def eval_modes(budget: int, cfg: LearningConfig) -> dict[str, KVConfig]:
+    sparse = {"policy": "rkv", "buffer": cfg.kv_buffer, "keep_prompt": cfg.keep_prompt}
+    half = max(8, budget // 2)
+    return {"dense": KVConfig(policy="dense"), "sparse": KVConfig(budget=budget, **sparse),
+            "sparse_half": KVConfig(budget=half, **sparse)}
+
+
+def rollout(engine: LLMEngine, tokenizer: PreTrainedTokenizerBase, task: Task, pairs: list[tuple[str, str]],
+            cfg: LearningConfig, kv: KVConfig, seed: int, step: int) -> list[Trajectory]:
+    sampling = SamplingInfo(temperature=cfg.temperature, kv_policy=kv.policy,
+                            kv_budget=None if kv.policy == "dense" else kv.budget)
+    results = generate(engine, tokenizer, task, [p for p, _ in pairs], cfg.samples, kv, cfg.temperature, seed,
+                       batch=len(pairs) * cfg.samples)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    return [Trajectory(group_id=f"s{step}-{i}", attempt=1, policy_version=step, worker_id="bench", task=task.name,
+                       prompt=prompt, samples=score_samples(task, answer, prompt_ids, outputs, decode),
+                       sampling=sampling)
+            for i, ((prompt_ids, outputs), (prompt, answer)) in enumerate(zip(results, pairs, strict=True))]
+
+
+# -- one arm, in its own process --
+
+
+def run_arm(cfg: LearningConfig, arm: str, seed: int, model_dir: Path, budget: int, out: Path) -> None:
+    torch.set_num_threads(cfg.threads)
+    policy, corrections = ARMS[arm]
+    settings = TrainerSettings(
+        model=str(model_dir), device=cfg.device, lr=cfg.lr, weight_decay=cfg.weight_decay, seed=seed,
+        ppo_updates=cfg.ppo_updates, micro_batch=cfg.micro_batch, temperature=cfg.temperature,
+        loss=LossConfig(kl_coef=cfg.kl_coef, corrections=corrections),
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    learner = Learner(settings, model_dir, tokenizer.pad_token_id)
+    engine = LLMEngine.from_pretrained(model_dir, device=cfg.device, dtype=torch.bfloat16)
+    sync_weights(learner, engine)
+    task = cfg.task()
+    modes = eval_modes(budget, cfg)
+    train_kv = KVConfig(policy="dense") if policy == "dense" else modes["sparse"]
+    held_out = task.make_prompts(cfg.eval_prompts, seed=EVAL_SEED)
+    started = time.perf_counter()
+    with out.open("w") as f:
+        def emit(row: dict[str, Any]) -> None:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+
+        emit({"type": "start", "arm": arm, "seed": seed, "budget": budget, "kv": train_kv.model_dump()})
+        for step in range(cfg.steps + 1):
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                t0 = time.perf_counter()
+                emit({"type": "eval", "step": step, "modes": {
+                    f"{name}_{label}": evaluate(engine, tokenizer, task, held_out, kv, temperature, cfg.eval_batch)
+                    for name, kv in modes.items() for label, temperature in (("greedy", 0.0), ("t1", 1.0))},
+                    "seconds": time.perf_counter() - t0})
+            if step == cfg.steps:
+                break
+            t0 = time.perf_counter()
+            pairs = task.make_prompts(cfg.groups, seed=seed * TRAIN_SEED_STRIDE + step)
+            trajectories = rollout(engine, tokenizer, task, pairs, cfg, train_kv, seed * TRAIN_SEED_STRIDE + step,
+                                   step)
+            t_gen = time.perf_counter() - t0
+            metrics = learner.train_step(trajectories, version=step)
+            sync_weights(learner, engine)
+            emit({"type": "step", **metrics, "generate_seconds": t_gen, "seconds": time.perf_counter() - t0,
+                  "elapsed": time.perf_counter() - started})
+
+
+# -- calibration, orchestration, criteria --
+
+
+def calibrate(cfg: LearningConfig, model_dir: Path) -> tuple[int, list[dict[str, float]]]:
+    """The budget whose sparse/dense T = 1 accuracy ratio is nearest the middle of the target."""
+    engine = LLMEngine.from_pretrained(model_dir, device=cfg.device, dtype=torch.bfloat16)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    task = cfg.task()
+    pairs = task.make_prompts(cfg.calibration_prompts, seed=CALIBRATION_SEED)
+    dense = evaluate(engine, tokenizer, task, pairs, KVConfig(policy="dense"), 1.0, cfg.eval_batch)
+    rows = [{"budget": 0, "policy": "dense", **dense}]
+    for budget in cfg.kv_budgets:
+        sparse = evaluate(engine, tokenizer, task, pairs, eval_modes(budget, cfg)["sparse"], 1.0, cfg.eval_batch)
+        ratio = sparse["accuracy"] / dense["accuracy"] if dense["accuracy"] else 0.0
+        rows.append({"budget": budget, "policy": "rkv", **sparse, "ratio": ratio})
+    low, high = cfg.target_ratio
+    middle = (low + high) / 2
+    best = min(rows[1:], key=lambda r: (not low <= r["ratio"] <= high, abs(r["ratio"] - middle)))
+    return int(best["budget"]), rows
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summarise(arms: dict[str, list[list[dict[str, Any]]]]) -> dict[str, Any]:
+    """Per arm: held-out curves (mean over seeds), final figures, per-step means; then the criteria."""
+    summary: dict[str, Any] = {}
+    for arm, runs in arms.items():
+        evals = [[r for r in rows if r["type"] == "eval"] for rows in runs]
+        steps = [[r for r in rows if r["type"] == "step"] for rows in runs]
+        at = sorted({e["step"] for e in evals[0]})
+        curve = {mode: [_mean([next(e["modes"][mode]["accuracy"] for e in run if e["step"] == s) for run in evals
+                               if any(e["step"] == s for e in run)]) for s in at]
+                 for mode in evals[0][0]["modes"]}
+        final = {mode: [run[-1]["modes"][mode]["accuracy"] for run in evals] for mode in evals[0][0]["modes"]}
+        third = max(1, len(steps[0]) // 3)
+        per_step = {key: {"first_third": _mean([r[key] for run in steps for r in run[:third]]),
+                          "last_third": _mean([r[key] for run in steps for r in run[-third:]])}
+                    for key in ("reward_mean", "accuracy", "completion_tokens_mean", "entropy", "rejection_rate",
+                                "token_mask_rate", "kl_old_sampler", "clip_fraction", "kv_saved", "xi_p01", "xi_p99")}
+        summary[arm] = {"eval_steps": at, "curve": curve, "final": final,
+                        "final_mean": {m: _mean(v) for m, v in final.items()},
+                        "start_mean": {m: _mean([run[0]["modes"][m]["accuracy"] for run in evals]) for m in final},
+                        "per_step": per_step,
+                        "step_seconds": _mean([r["seconds"] for run in steps for r in run])}
+    return summary
+
+
+def criteria(summary: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if "dense" not in summary:
+        return out
+    d = summary["dense"]
+    dense_final, dense_start = d["final_mean"]["dense_t1"], d["start_mean"]["dense_t1"]
+    out["a"] = {"claim": CRITERIA["a"], "gain": dense_final - dense_start, "met": dense_final - dense_start >= 0.15}
+    if "naive" in summary:
+        n = summary["naive"]
+        gap = dense_final - n["final_mean"]["dense_t1"]
+        degrades = n["final_mean"]["dense_t1"] < n["start_mean"]["dense_t1"]
+        mismatch = n["per_step"]["kl_old_sampler"]
+        grows = mismatch["last_third"] > mismatch["first_third"]
+        out["b"] = {"claim": CRITERIA["b"], "gap_to_dense": gap, "degrades": degrades, "mismatch_grows": grows,
+                    "met": gap >= 0.10 or (degrades and grows)}
+    if "sparse_rl" in summary:
+        s = summary["sparse_rl"]
+        gap = dense_final - s["final_mean"]["dense_t1"]
+        out["c"] = {"claim": CRITERIA["c"], "gap_to_dense": gap, "met": gap <= 0.03}
+
+        def ratio(arm: dict[str, Any]) -> float:
+            dense_acc = arm["final_mean"]["dense_t1"]
+            return arm["final_mean"]["sparse_t1"] / dense_acc if dense_acc else 0.0
+
+        out["d"] = {"claim": CRITERIA["d"], "sparse_rl_ratio": ratio(s), "dense_trained_ratio": ratio(d),
+                    "met": ratio(s) - ratio(d) >= 0.05}
+    return out
+
+
+def run(cfg: LearningConfig, arms: list[str], seeds: list[int], cache: Path, out: Path, parallel: int,
+        preset: str) -> dict[str, Any]:
+    started = time.perf_counter()
+    device = torch.device(cfg.device)
+    model_dir = ensure_warmstart_model(cache, cfg.recipe)
+    warm = json.loads((model_dir / "warmstart.json").read_text())
+    print(f"warm start {model_dir.name}: {warm['steps_done']} SFT steps, eval {warm['eval']}", flush=True)
+    if cfg.kv_budget is None:
+        budget, calibration = calibrate(cfg, model_dir)
+    else:
+        budget, calibration = cfg.kv_budget, []
+    print(f"KV budget {budget} (calibration {calibration})", flush=True)
+    work = out.with_suffix(".runs")
+    work.mkdir(parents=True, exist_ok=True)
+    jobs = [(arm, seed) for arm in arms for seed in seeds]
+    pending, running, done = list(jobs), {}, {}
+    config_json = cfg.model_dump_json()
+    while pending or running:
+        while pending and len(running) < parallel:
+            arm, seed = pending.pop(0)
+            path = work / f"{arm}-{seed}.jsonl"
+            log = (work / f"{arm}-{seed}.log").open("w")
+            cmd = [sys.executable, "-m", "bench.learning", "arm", "--config", config_json, "--arm", arm,
+                   "--seed", str(seed), "--model", str(model_dir), "--budget", str(budget), "--out", str(path)]
+            running[(arm, seed)] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), path, log)
+        time.sleep(2)
+        for key, (proc, path, log) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            log.close()
+            if proc.returncode != 0:
+                raise RuntimeError(f"arm {key} failed (exit {proc.returncode}); see {log.name}")
+            done[key] = [json.loads(line) for line in path.read_text().splitlines()]
+            del running[key]
+            print(f"arm {key[0]} seed {key[1]} done at {time.perf_counter() - started:.0f}s", flush=True)
+    by_arm = {arm: [done[(arm, s)] for s in seeds] for arm in arms}
+    summary = summarise(by_arm)
+    result = {
+        "bench": "learning", "preset": preset, "complete": True,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "config": cfg.model_dump(), "arms": arms, "seeds": seeds,
+        "warmstart": {"dir": model_dir.name, **{k: warm[k] for k in ("steps_done", "train_seconds", "eval",
+                                                                      "sampled_checks", "final_loss")}},
+        "kv_budget": budget, "calibration": calibration, "criteria": criteria(summary), "summary": summary,
+        "runs": {f"{arm}-{seed}": done[(arm, seed)] for arm, seed in jobs},
+        "wall_seconds": time.perf_counter() - started,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def plot(path: Path) -> Path:
+    """Curves of one result file as a PNG beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    result = json.loads(path.read_text())
+    summary = result["summary"]
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    panels = [("dense_t1", "held-out accuracy, dense inference, T=1"),
+              ("sparse_t1", f"held-out accuracy, R-KV {result['kv_budget']}, T=1"),
+              ("dense_greedy", "held-out accuracy, dense inference, greedy")]
+    for ax, (mode, title) in zip(axes[0], panels, strict=True):
+        for arm, s in summary.items():
+            ax.plot(s["eval_steps"], s["curve"][mode], marker="o", label=arm)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.legend()
+    for ax, (key, title) in zip(axes[1], [("reward_mean", "training reward"), ("kl_old_sampler",
+                                          "KL(π_old_dense ‖ π_sampler) per token"),
+                                         ("rejection_rate", "sequence veto rate")], strict=True):
+        for arm in summary:
+            for i, seed in enumerate(result["seeds"]):
+                rows = [r for r in result["runs"][f"{arm}-{seed}"] if r["type"] == "step"]
+                ax.plot([r["step"] for r in rows], [r[key] for r in rows], color=f"C{list(summary).index(arm)}",
+                        alpha=0.6, label=arm if i == 0 else None)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if key == "kl_old_sampler":
+            ax.set_yscale("symlog", linthresh=0.01)  # a few steps spike to > 1; most sit near 0.01-0.1
+        ax.legend()
+    fig.suptitle(f"bench.learning ({result['preset']}, {result['device']}): {', '.join(result['arms'])} × "
+                 f"seeds {result['seeds']}")
+    fig.tight_layout()
+    png = path.with_suffix(".png")
+    fig.savefig(png, dpi=90)
+    return png
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["arm"]:
+        p = argparse.ArgumentParser()
+        p.add_argument("--config", required=True)
+        p.add_argument("--arm", required=True, choices=sorted(ARMS))
+        p.add_argument("--seed", type=int, required=True)
+        p.add_argument("--model", type=Path, required=True)
+        p.add_argument("--budget", type=int, required=True)
+        p.add_argument("--out", type=Path, required=True)
+        a = p.parse_args(argv[1:])
+        run_arm(LearningConfig.model_validate_json(a.config), a.arm, a.seed, a.model, a.budget, a.out)
+        return
+    if argv[:1] == ["plot"]:
+        print(plot(Path(argv[1])))
+        return
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="gpu")
+    p.add_argument("--device", help="override the preset's device")
+    p.add_argument("--arms", default="dense,naive,sparse_rl")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--parallel", type=int, default=0, help="arm processes at once (0 = all)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                   help="override a config field, e.g. --set lr=3e-4 --set steps=100")
+    p.add_argument("--cache", type=Path, default=Path(".cache/warmstart"))
+    p.add_argument("--out", type=Path)
+    a = p.parse_args(argv)
+    fields = PRESETS[a.preset].model_dump()
+    if a.device:
+        fields["device"] = a.device
+    for item in a.set:
+        key, _, value = item.partition("=")
+        fields[key] = json.loads(value)
+    cfg = LearningConfig.model_validate(fields)
+    arms = a.arms.split(",")
+    seeds = [int(s) for s in a.seeds.split(",")]
+    out = a.out or RESULTS / f"learning-{a.preset}.json"
+    result = run(cfg, arms, seeds, a.cache, out, a.parallel or len(arms) * len(seeds), a.preset)
+    print(json.dumps({"criteria": result["criteria"], "kv_budget": result["kv_budget"],
+                      "final": {arm: s["final_mean"] for arm, s in result["summary"].items()},
+                      "start": {arm: s["start_mean"] for arm, s in result["summary"].items()},
+                      "wall_seconds": result["wall_seconds"]}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
