@@ -1,18 +1,27 @@
 """Multi-digit addition with a digit-by-digit scratchpad.
 
     prompt      "add 345+678\n"
-    completion  "5+8+0=13\n4+7+1=12\n3+6+1=10\n=1023"
+    completion  "5+8+0=13\n4+7+1=12\n3+6+1=10\n=1023"                      (scratchpad="column")
+    completion  "345+678:5+8+0=13\n34+67:4+7+1=12\n3+6:3+6+1=10\n=1023"     (scratchpad="running")
 
 One scratchpad line per digit, least significant first: the two digits, the carry in, and the
 two-digit column sum whose first digit is the next carry. The scratchpad makes the task learnable
 by a tiny model and makes completions long (9 tokens per digit: 32-63 tokens for the default 3-6
 digits), so a KV budget of a few dozen tokens bites.
+
+"column" lines say nothing of which digit they are: the model finds the next digit pair in the
+prompt by counting its earlier lines, so evicting those lines derails it (docs/training.md). The
+"running" scratchpad starts each line with what is left of both operands, whose last digits are
+that line's column: every line follows from the line before it alone, so a KV cache that keeps
+the last line or two (R-KV keeps the newest copy of repeated digits) loses nothing the next line
+needs. Completions are longer: at most n² + 13n + 2 tokens for n digits (column: 10n + 2).
 """
 
 from __future__ import annotations
 
 import random
 import re
+from typing import Literal
 
 from shared.tasks.base import Task, positional_credit
 
@@ -24,11 +33,17 @@ class AdditionTask(Task):
     name = "addition"
     format = "one line 'a+b+carry=ss' per digit (least significant first), then '=SUM'"
 
-    def __init__(self, min_digits: int = 3, max_digits: int = 6) -> None:
+    def __init__(self, min_digits: int = 3, max_digits: int = 6,
+                 scratchpad: Literal["column", "running"] = "column") -> None:
         if not 1 <= min_digits <= max_digits:
             raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
-        self.min_digits, self.max_digits = min_digits, max_digits
-        self.max_new_tokens = 9 * max_digits + max_digits + 3
+        if scratchpad not in ("column", "running"):
+            raise ValueError(f"scratchpad must be 'column' or 'running', got {scratchpad!r}")
+        self.min_digits, self.max_digits, self.scratchpad = min_digits, max_digits, scratchpad
+        n = max_digits
+        # Lines of 9 characters (+ the running operands and their separators: 2(n − k + 1) + 2), the
+        # final "=SUM" (≤ n + 2 characters), EOS.
+        self.max_new_tokens = 9 * n + n + 3 + (n * (n + 1) + 2 * n if scratchpad == "running" else 0)
 
     def make_prompts(self, n: int, seed: int) -> list[tuple[str, str]]:
         rng = random.Random(seed)
@@ -47,9 +62,10 @@ class AdditionTask(Task):
         width = max(len(a), len(b))
         a, b = a.zfill(width)[::-1], b.zfill(width)[::-1]
         lines, carry = [], 0
-        for x, y in zip(a, b, strict=True):
+        for k, (x, y) in enumerate(zip(a, b, strict=True)):
             s = int(x) + int(y) + carry
-            lines.append(f"{x}+{y}+{carry}={s:02d}")
+            rest = f"{a[k:][::-1]}+{b[k:][::-1]}:" if self.scratchpad == "running" else ""
+            lines.append(f"{rest}{x}+{y}+{carry}={s:02d}")
             carry = s // 10
         lines.append(f"={answer}")
         return "\n".join(lines)
