@@ -22,6 +22,9 @@ class PromptGroup(BaseModel):
     prompt: str
     answer: str | None = None
     samples: int = Field(default=8, ge=1, le=1024)
+    # Generation budget of this prompt; None: the worker's setting, else the task's default. Set
+    # when the prompts come from a task built with options (longer additions need more tokens).
+    max_new_tokens: int | None = Field(default=None, ge=1)
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -157,7 +157,8 @@ class RolloutWorker:
         return None
 
     def _max_new_tokens(self, lease: Lease) -> int:
-        return self.settings.max_new_tokens or get_task(lease.group.task).max_new_tokens
+        return (lease.group.max_new_tokens or self.settings.max_new_tokens
+                or get_task(lease.group.task).max_new_tokens)
 
     def _trajectory(self, lease: Lease, prompt_ids: list[int], outputs: list, batch: Batch,
                     sampling: SamplingInfo) -> Trajectory:

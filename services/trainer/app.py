@@ -40,6 +40,7 @@ class PromptIn(BaseModel):
     prompt: str = Field(min_length=1)
     answer: str | None = None
     id: str | None = Field(default=None, min_length=1, max_length=200)
+    max_new_tokens: int | None = Field(default=None, ge=1, description="default: the task's own")
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -48,6 +49,9 @@ class GenerateSpec(BaseModel):
 
     count: int = Field(ge=1, le=MAX_PROMPTS_PER_REQUEST)
     seed: int = 0
+    # Constructor options of the task, e.g. {"min_digits": 6, "max_digits": 12} for addition; the
+    # groups then carry the generation budget that task needs.
+    options: dict[str, int | float | str] = Field(default_factory=dict)
 
 
 class PromptsRequest(BaseModel):
@@ -142,7 +146,8 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
             raise HTTPException(400, "no prompts given")
         n = samples or settings.samples_per_prompt
         groups = [PromptGroup(id=p.id or f"{settings.run}-{uuid.uuid4().hex[:16]}", task=name, prompt=p.prompt,
-                              answer=p.answer, samples=n, metadata=p.metadata) for p in items]
+                              answer=p.answer, samples=n, max_new_tokens=p.max_new_tokens, metadata=p.metadata)
+                  for p in items]
         try:
             ids = await state["coord"].enqueue(groups)
         except QueueFull as exc:
@@ -165,13 +170,19 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
                 raise HTTPException(422, "give exactly one of 'prompts' or 'generate'")
             name = body.task or task or settings.default_task
             if body.generate is not None:
+                spec = body.generate
                 try:
-                    made = get_task(name).make_prompts(body.generate.count, seed=body.generate.seed)
+                    generator = get_task(name, **spec.options)
                 except KeyError as exc:
                     raise HTTPException(400, str(exc.args[0])) from exc
+                except (TypeError, ValueError) as exc:
+                    raise HTTPException(422, f"task {name!r} options {spec.options}: {exc}") from exc
+                try:
+                    made = generator.make_prompts(spec.count, seed=spec.seed)
                 except Exception as exc:  # a task without a generator (e.g. gsm8k needs a source)
                     raise HTTPException(400, f"task {name!r} cannot generate prompts: {exc}") from exc
-                items = [PromptIn(prompt=p, answer=a) for p, a in made]
+                budget = generator.max_new_tokens if spec.options else None
+                items = [PromptIn(prompt=p, answer=a, max_new_tokens=budget) for p, a in made]
             else:
                 items = body.prompts or []
             return await enqueue(name, body.samples_per_prompt or samples_per_prompt, items)

@@ -53,7 +53,7 @@ class WarmstartRecipe(BaseModel):
     # 10 % each stayed at 0 % accuracy while costing a fifth of the SFT budget (docs/training.md).
     task_mix: dict[str, float] = Field(default_factory=lambda: {"addition": 1.0})
     # 3-6 digits: 32-63 token completions (so a KV budget of 16-32 bites) and ~0.4 s per SFT step.
-    task_options: dict[str, dict[str, int]] = Field(default_factory=lambda: {"addition": {"min_digits": 3, "max_digits": 6}})
+    task_options: dict[str, dict[str, int | str]] = Field(default_factory=lambda: {"addition": {"min_digits": 3, "max_digits": 6}})
     # Model: shared.modeling's "tiny" Qwen3 shape with the char vocab; `model_overrides` shrink it
     # further so SFT fits the two-minute CPU budget.
     shape: str = "tiny"
