@@ -281,7 +281,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     options = DemoOptions(
         steps=args.steps, workers=args.workers, kv_policy=args.kv_policy, kv_budget=args.kv_budget,
         groups_per_step=args.groups, samples_per_prompt=args.samples, keep_running=args.keep_running,
-        folder=Path(args.dir), model=args.model, lr=args.lr, token=args.token,
+        folder=Path(args.dir), model=args.model, lr=args.lr, token=args.token, device=args.device,
+        kv_buffer=args.kv_buffer, digits=args.digits, report=Path(args.report) if args.report else None,
     )
     return run_demo(options)
 
@@ -294,6 +295,13 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _digit_range(text: str) -> tuple[int, int]:
+    low, sep, high = text.partition("-")
+    if not (sep and low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high)):
+        raise argparse.ArgumentTypeError(f"expected MIN-MAX with 1 <= MIN <= MAX, got {text!r}")
+    return int(low), int(high)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -338,6 +346,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="'tiny-demo' (the cached warm-start model) or a HF model folder (default %(default)s)")
     demo.add_argument("--token", default=os.environ.get("SPARSECAST_API_TOKEN") or None,
                       help="API token for the stack (env SPARSECAST_API_TOKEN; default: a random one)")
+    demo.add_argument("--device", default="cpu", help="device of the trainer and the workers: cpu, cuda, cuda:N "
+                                                      "(default %(default)s)")
+    demo.add_argument("--kv-buffer", type=_positive, default=None,
+                      help="tokens generated between re-compressions (default: budget / 2)")
+    demo.add_argument("--digits", type=_digit_range, default=None, metavar="MIN-MAX",
+                      help="digits of the addition prompts, e.g. 6-12 (default: the task's own)")
+    demo.add_argument("--report", default=None, help="also write the run's history and summary as JSON here")
     demo.set_defaults(func=cmd_demo)
 
     submit = sub.add_parser(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import re
 import secrets
@@ -76,6 +77,10 @@ class DemoOptions:
     model: str = "tiny-demo"  # or a HF model folder (skips the warm-start build)
     lr: float = 3e-5
     token: str | None = None
+    device: str = "cpu"  # trainer and workers; "cuda" puts all of them on the GPU
+    kv_buffer: int | None = None  # re-compression interval; default budget // 2
+    digits: tuple[int, int] | None = None  # addition's digit range; default the task's own
+    report: Path | None = None  # write the run's history, versions and summary as JSON here
 
 
 # -- child processes --
@@ -314,7 +319,7 @@ class Demo:
         env = self.base_env() | {
             "SPARSECAST_PORT": str(port),
             "SPARSECAST_MODEL": str(model_dir),
-            "SPARSECAST_DEVICE": "cpu",
+            "SPARSECAST_DEVICE": o.device,
             "SPARSECAST_DATA_DIR": str(self.state_dir / "trainer"),
             "SPARSECAST_REGISTRY_URL": self.urls["registry"],
             "SPARSECAST_MAX_STEPS": str(o.steps),
@@ -330,9 +335,9 @@ class Demo:
         self.urls["trainer"] = f"http://127.0.0.1:{port}"
 
     def start_workers(self) -> None:
-        # Re-compress every budget/2 tokens: addition completions are 42-103 tokens, so the
-        # default interval of 128 (R-KV's) would never evict in this demo.
-        buffer = max(8, self.o.kv_budget // 2)
+        # Re-compress every budget/2 tokens by default: addition completions are tens of tokens,
+        # so the default interval of 128 (R-KV's) would never evict in this demo.
+        buffer = self.o.kv_buffer or max(8, self.o.kv_budget // 2)
         for n in range(1, self.o.workers + 1):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
@@ -340,7 +345,7 @@ class Demo:
                 "SPARSECAST_PORT": str(port),
                 "SPARSECAST_MODEL": "",  # stateless: config, tokenizer and weights come from the registry
                 "SPARSECAST_ENGINE": "native",
-                "SPARSECAST_DEVICE": "cpu",
+                "SPARSECAST_DEVICE": self.o.device,
                 "SPARSECAST_REGISTRY_URL": self.urls["registry"],
                 "SPARSECAST_DATA_DIR": str(self.state_dir / f"rollout-{n}"),
                 "SPARSECAST_WORKER_ID": f"demo-worker-{n}",
@@ -403,8 +408,10 @@ class Demo:
         want = min(2, remaining) * self.o.groups_per_step
         if remaining > 0 and in_flight < want:
             count = want - in_flight
+            options = {"min_digits": self.o.digits[0], "max_digits": self.o.digits[1]} if self.o.digits else {}
             self.api("POST", "/v1/prompts", json={"task": TASK, "samples_per_prompt": self.o.samples_per_prompt,
-                                                  "generate": {"count": count, "seed": 1000 + self.submitted}})
+                                                  "generate": {"count": count, "seed": 1000 + self.submitted,
+                                                               "options": options}})
             self.submitted += count
 
     def train(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -458,10 +465,8 @@ class Demo:
         return Group(Panel(grid, title="sparsecast demo", title_align="left"),
                      workers_table(workers, status.get("version")))
 
-    def summary(self, status: dict[str, Any], history: list[dict[str, Any]]) -> Table:
-        table = Table(title="sparsecast demo: summary", title_justify="left")
-        table.add_column("", style="bold")
-        table.add_column("value")
+    def figures(self, status: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, Any]:
+        """What the run did, as numbers: the summary table and the JSON report show these."""
 
         def mean(key: str, rows: list[dict[str, Any]]) -> float | None:
             values = [r[key] for r in rows if isinstance(r.get(key), int | float)]
@@ -470,25 +475,52 @@ class Demo:
         head, tail = history[:3], history[-3:]
         versions = self.http.get(f"{self.urls['registry']}/v1/runs/{RUN}/versions").json()
         patches = [v["patch"]["size"] for v in versions if v.get("patch")]
-        dense = versions[-1]["dense_bytes"] if versions else 0
-        table.add_row("steps", f"{len(history)} in {time.monotonic() - self.started:.0f}s (whole demo)")
-        table.add_row("versions published", f"{len(versions)} (v0 snapshot + {len(patches)} patches)")
-        table.add_row("reward (first 3 → last 3 steps)", f"{num(mean('reward_mean', head))} → {num(mean('reward_mean', tail))}")
-        table.add_row("accuracy (first 3 → last 3 steps)", f"{pct(mean('accuracy', head))} → {pct(mean('accuracy', tail))}")
-        if patches:
-            table.add_row("patch per step (mean)", f"{human_bytes(sum(patches) / len(patches))} vs {human_bytes(dense)} "
-                                                   f"dense: {dense * len(patches) / sum(patches):.0f}x smaller")
-            table.add_row("bytes shipped per worker", f"{human_bytes(sum(patches))} instead of "
-                                                      f"{human_bytes(dense * len(patches))}")
-        table.add_row("weights changed per step", pct(mean("changed_fraction", history), 2))
-        table.add_row("KV saved", f"{pct(mean('kv_saved', history))} ({self.o.kv_policy}, budget {self.o.kv_budget})")
-        table.add_row("sequences rejected / tokens masked",
-                      f"{pct(mean('rejection_rate', history))} / {pct(mean('token_mask_rate', history))}")
+        kv_saved, sparse_kv = mean("kv_saved", history), mean("kv_peak_bytes_mean", history)
         speeds = {w["worker_id"]: w["tokens_per_s"] for w in status.get("workers") or []}
-        for n, version in self.worker_versions(status.get("version")).items():
-            speed = speeds.get(f"demo-worker-{n}")
-            table.add_row(f"worker demo-worker-{n}", f"serving v{version}"
-                          + (f", {speed:.0f} tokens/s" if speed else ""))
+        return {
+            "steps": len(history), "wall_seconds": time.monotonic() - self.started,
+            "versions": len(versions), "patches": len(patches),
+            "dense_bytes": versions[-1]["dense_bytes"] if versions else 0,
+            "patch_bytes_mean": sum(patches) / len(patches) if patches else None,
+            "reward_first3": mean("reward_mean", head), "reward_last3": mean("reward_mean", tail),
+            "accuracy_first3": mean("accuracy", head), "accuracy_last3": mean("accuracy", tail),
+            "changed_fraction": mean("changed_fraction", history),
+            "kv_saved": kv_saved,
+            # Per sequence at its longest: what the sampler's cache held, and what a dense one would
+            # have (kv_saved = 1 − Σ peak tokens / Σ sequence tokens, same bytes per token).
+            "kv_sparse_bytes_mean": sparse_kv,
+            "kv_dense_bytes_mean": sparse_kv / (1 - kv_saved) if sparse_kv and kv_saved is not None else None,
+            "rejection_rate": mean("rejection_rate", history), "token_mask_rate": mean("token_mask_rate", history),
+            "workers": {f"demo-worker-{n}": {"version": v, "tokens_per_s": speeds.get(f"demo-worker-{n}")}
+                        for n, v in self.worker_versions(status.get("version")).items()},
+        }
+
+    def summary(self, f: dict[str, Any]) -> Table:
+        table = Table(title="sparsecast demo: summary", title_justify="left")
+        table.add_column("", style="bold")
+        table.add_column("value")
+        rise = (f["accuracy_last3"] - f["accuracy_first3"]
+                if f["accuracy_last3"] is not None and f["accuracy_first3"] is not None else None)
+        table.add_row("steps", f"{f['steps']} in {f['wall_seconds']:.0f}s (whole demo)")
+        table.add_row("versions published", f"{f['versions']} (v0 snapshot + {f['patches']} patches)")
+        table.add_row("reward (first 3 → last 3 steps)", f"{num(f['reward_first3'])} → {num(f['reward_last3'])}")
+        table.add_row("accuracy (first 3 → last 3 steps)", f"{pct(f['accuracy_first3'])} → {pct(f['accuracy_last3'])}"
+                      + (f" ({rise * 100:+.0f} points)" if rise is not None else ""))
+        if f["patches"]:
+            dense, patch = f["dense_bytes"], f["patch_bytes_mean"]
+            table.add_row("patch per step (mean)", f"{human_bytes(patch)} vs {human_bytes(dense)} dense: "
+                                                   f"{dense / patch:.0f}x smaller")
+            table.add_row("bytes shipped per worker", f"{human_bytes(patch * f['patches'])} instead of "
+                                                      f"{human_bytes(dense * f['patches'])}")
+        table.add_row("weights changed per step", pct(f["changed_fraction"], 2))
+        table.add_row("KV per sequence (sparse vs dense)",
+                      f"{human_bytes(f['kv_sparse_bytes_mean'])} vs {human_bytes(f['kv_dense_bytes_mean'])}: "
+                      f"{pct(f['kv_saved'])} saved ({self.o.kv_policy}, budget {self.o.kv_budget})")
+        table.add_row("corrections: sequences vetoed / tokens masked",
+                      f"{pct(f['rejection_rate'])} / {pct(f['token_mask_rate'])}")
+        for name, w in f["workers"].items():
+            table.add_row(f"worker {name}", f"serving v{w['version']}"
+                          + (f", {w['tokens_per_s']:.0f} tokens/s" if w["tokens_per_s"] else ""))
         table.add_row("dashboard", f"{self.urls['trainer']}/" + ("" if self.o.keep_running else " (while running)"))
         table.add_row("logs", str(self.procs.log_dir))
         return table
@@ -534,7 +566,14 @@ class Demo:
         self.wait_ready([f"rollout-{n}" for n in range(1, self.o.workers + 1)])
         env_file = self.write_env_file()
         status, history = self.train()
-        console.print(self.summary(status, history))
+        figures = self.figures(status, history)
+        console.print(self.summary(figures))
+        if self.o.report:
+            options = {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.o).items() if k != "token"}
+            self.o.report.parent.mkdir(parents=True, exist_ok=True)
+            self.o.report.write_text(json.dumps({"options": options, "summary": figures, "history": history},
+                                                indent=1) + "\n")
+            self.say(f"report written to {self.o.report}")
         if self.o.keep_running:
             self.say(f"the stack keeps running: dashboard {self.urls['trainer']}/ · for the CLI: "
                      f"set -a; . {env_file}; set +a; sparsecast status · Ctrl-C stops everything")
