@@ -31,6 +31,11 @@ _REASONS = {
 }
 
 
+# OpenAPI of GET /metrics: Prometheus' text exposition format, not JSON.
+PROMETHEUS_TEXT: dict[int | str, dict[str, Any]] = {
+    200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}}
+
+
 class ErrorBody(BaseModel):
     """What every 4xx/5xx answer of sparsecast carries."""
 

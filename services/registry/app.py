@@ -7,20 +7,39 @@ import hmac
 import json
 import logging
 from contextlib import asynccontextmanager
+from typing import Annotated
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.registry.core import BadRange, RedisAnnouncer, Registry, RegistryError, UploadCheck, UploadKind
+from services.registry.core import (
+    KEY_PART,
+    OBJECT_FOLDERS,
+    RUN_NAME,
+    BadRange,
+    RedisAnnouncer,
+    Registry,
+    RegistryError,
+    UploadCheck,
+    UploadKind,
+)
 from services.registry.settings import RegistrySettings
-from shared.http import error_responses, install_error_handling
-from shared.registry_client import METRICS_HEADER, Manifest, Plan
+from shared.http import PROMETHEUS_TEXT, error_responses, install_error_handling
+from shared.registry_client import METRICS_HEADER, MODEL_FILES, Manifest, Plan
 from shared.storage import ObjectStorage
 
 log = logging.getLogger(__name__)
 
 SMALL_READ_BYTES = 16 << 20  # ranges up to this are read at once; larger ones are streamed
+
+
+# Path parameters as the OpenAPI describes them. The core checks them (one place, one message);
+# these only tell clients and fuzzers what is valid.
+Run = Annotated[str, Path(description="run name", json_schema_extra={"pattern": RUN_NAME.pattern})]
+ObjectKey = Annotated[str, Path(description="an object key, e.g. patches/3-4.patch", json_schema_extra={
+    "pattern": f"^({'|'.join(f.rstrip('/') for f in OBJECT_FOLDERS)})/{KEY_PART.pattern}$"})]
+ModelFile = Annotated[str, Path(description="a config or tokenizer file", json_schema_extra={"enum": list(MODEL_FILES)})]
 
 
 def upload_body(description: str) -> dict:
@@ -90,25 +109,25 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
             return JSONResponse({"status": "unavailable", "detail": str(exc)}, status_code=503)
         return JSONResponse({"status": "ready"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=PROMETHEUS_TEXT)
     async def metrics() -> Response:
         return Response(generate_latest(registry.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/runs/{run}/versions", responses=reads)
-    async def versions(run: str) -> list[Manifest]:
+    async def versions(run: Run) -> list[Manifest]:
         return await registry.versions(run)
 
     @app.get("/v1/runs/{run}/latest", responses=reads)
-    async def latest(run: str) -> Manifest:
+    async def latest(run: Run) -> Manifest:
         return await registry.manifest(run)
 
     @app.get("/v1/runs/{run}/manifests/{version}", responses=reads)
-    async def manifest(run: str, version: int) -> Manifest:
+    async def manifest(run: Run, version: int) -> Manifest:
         return await registry.manifest(run, version)
 
     @app.get("/v1/runs/{run}/plan", responses=reads)
     async def plan(
-        run: str, request: Request, from_version: int = Query(-1, alias="from"),
+        run: Run, request: Request, from_version: int = Query(-1, alias="from"),
         to_version: int | None = Query(None, alias="to"),
     ) -> Plan:
         """Cheapest way from `from` to `to`. Reads never write: only a request with the bearer
@@ -120,7 +139,7 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
         200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
               "description": "the object, or the requested range (206)"},
         206: {"description": "a range of the object"}, **reads, **error_responses(416)})
-    async def get_object(run: str, key: str, request: Request) -> Response:
+    async def get_object(run: Run, key: ObjectKey, request: Request) -> Response:
         store_key, start, end, size, partial = await registry.object_range(run, key, request.headers.get("range"))
         headers = {"Accept-Ranges": "bytes", "Content-Length": str(end - start)}
         if partial:
@@ -137,7 +156,7 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
 
     @app.put("/v1/runs/{run}/patches/{version}", dependencies=[Depends(require_token)], responses=writes,
              openapi_extra=upload_body("a patch, docs/patch-format.md"))
-    async def put_patch(run: str, version: int, request: Request, metrics: str | None = None) -> Manifest:
+    async def put_patch(run: Run, version: int, request: Request, metrics: str | None = None) -> Manifest:
         raw = request.headers.get(METRICS_HEADER) or metrics or "{}"
         try:
             step_metrics = json.loads(raw)
@@ -149,23 +168,23 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
 
     @app.put("/v1/runs/{run}/snapshots/{version}", dependencies=[Depends(require_token)], responses=writes,
              openapi_extra=upload_body("a snapshot: safetensors with sparsecast metadata"))
-    async def put_snapshot(run: str, version: int, request: Request) -> Manifest:
+    async def put_snapshot(run: Run, version: int, request: Request) -> Manifest:
         return await registry.publish_snapshot(run, version, await read_body(request, "snapshot"))
 
     @app.get("/v1/runs/{run}/model", responses=reads)
-    async def model_files(run: str) -> list[str]:
+    async def model_files(run: Run) -> list[str]:
         return await registry.model_files(run)
 
     @app.put("/v1/runs/{run}/model/{name}", dependencies=[Depends(require_token)], responses=writes,
              openapi_extra={"requestBody": {"required": True, "description": "a config or tokenizer JSON file",
                                             "content": {"application/json": {"schema": {"type": "object"}}}}})
-    async def put_model_file(run: str, name: str, request: Request) -> dict[str, str]:
+    async def put_model_file(run: Run, name: ModelFile, request: Request) -> dict[str, str]:
         await registry.put_model_file(run, name, await read_body(request, "model"))
         return {"stored": name}
 
     @app.get("/v1/runs/{run}/model/{name}", responses={
         200: {"content": {"application/json": {"schema": {"type": "object"}}}, "description": "the file"}, **reads})
-    async def get_model_file(run: str, name: str) -> Response:
+    async def get_model_file(run: Run, name: ModelFile) -> Response:
         return Response(await registry.get_model_file(run, name), media_type="application/json")
 
     return app

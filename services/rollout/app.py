@@ -34,7 +34,7 @@ from services.rollout.settings import RolloutSettings
 from services.rollout.sync import WeightSync, bootstrap_model, match_registry_version
 from services.rollout.worker import RolloutWorker
 from shared.coord import Coordinator
-from shared.http import error_responses, install_error_handling
+from shared.http import PROMETHEUS_TEXT, error_responses, install_error_handling
 from shared.registry_client import RegistryClient
 from shared.schemas import one_line_error
 
@@ -226,7 +226,7 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
             response.status_code = 503
         return {"ready": ready, "version": core.weights.version if core else None}
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=PROMETHEUS_TEXT)
     async def prometheus() -> Response:
         core, worker, sync = state["core"], state["worker"], state["sync"]
         if core is not None:

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from services.trainer.core import Trainer
 from services.trainer.settings import TrainerSettings
 from shared.coord import Coordinator, QueueFull
-from shared.http import BodyLimit, error_responses, inline_schema, install_error_handling
+from shared.http import PROMETHEUS_TEXT, BodyLimit, error_responses, inline_schema, install_error_handling
 from shared.registry_client import RegistryClient
 from shared.schemas import PromptGroup, Text, one_line_error
 from shared.tasks import get_task, list_tasks
@@ -52,9 +52,13 @@ class GenerateSpec(BaseModel):
 
 
 class PromptsRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Exactly one of `prompts` and `generate` (checked in the handler; stated here for clients).
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"oneOf": [
+        {"required": ["prompts"], "properties": {"prompts": {"type": "array"}}},
+        {"required": ["generate"], "properties": {"generate": {"type": "object"}}}]})
 
-    task: Text | None = Field(default=None, description="default: the trainer's default task")
+    task: Text | None = Field(default=None, description="default: the trainer's default task",
+                              json_schema_extra={"enum": [*list_tasks(), None]})
     samples_per_prompt: int | None = Field(default=None, ge=1, le=1024)
     prompts: list[PromptIn] | None = Field(default=None, max_length=MAX_PROMPTS_PER_REQUEST)
     generate: GenerateSpec | None = Field(default=None, description="make prompts from a built-in task")
@@ -71,8 +75,9 @@ class PromptsAccepted(BaseModel):
 PROMPTS_BODY = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": inline_schema(PromptsRequest)},
     "application/x-ndjson": {"schema": {
-        "type": "string", "description": "JSONL: one object per line with `prompt` (or GSM8K-style `question`) "
-                                         "and `answer`, plus optional `id` and `metadata`"}},
+        "type": "string", "format": "binary",  # bytes: what arrives is not always UTF-8
+        "description": "JSONL (UTF-8): one object per line with `prompt` (or GSM8K-style `question`) and "
+                       "`answer`, plus optional `id` and `metadata`"}},
     "multipart/form-data": {"schema": {
         "type": "object", "required": ["file"],
         "properties": {"file": {"type": "string", "format": "binary", "description": "a JSONL file"}}}},
@@ -197,7 +202,7 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
 
     @app.post("/v1/prompts", dependencies=[Depends(authorize)], openapi_extra=PROMPTS_BODY,
               responses=error_responses(400, 401, 413, 415, 422, 429))
-    async def submit_prompts(request: Request, task: str | None = Query(None),
+    async def submit_prompts(request: Request, task: str | None = Query(None, json_schema_extra={"enum": list_tasks()}),
                              samples_per_prompt: int | None = Query(None, ge=1, le=1024)) -> PromptsAccepted:
         """JSON body (PromptsRequest), or a JSONL upload (application/x-ndjson or multipart file):
         one object per line with `prompt` (or GSM8K-style `question`) and `answer`."""
@@ -222,11 +227,11 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
                 items = body.prompts or []
             return await enqueue(name, body.samples_per_prompt or samples_per_prompt, items)
         if ctype.startswith("multipart/form-data"):
-            form = await request.form()
-            upload = form.get("file")
-            if upload is None or isinstance(upload, str):
-                raise HTTPException(422, "multipart upload needs a 'file' field holding JSONL")
-            raw = await upload.read()
+            async with request.form() as form:  # closes the spooled upload files
+                upload = form.get("file")
+                if upload is None or isinstance(upload, str):
+                    raise HTTPException(422, "multipart upload needs a 'file' field holding JSONL")
+                raw = await upload.read()
         elif ctype.startswith(("application/x-ndjson", "application/jsonl", "text/plain")):
             raw = await request.body()
         else:
@@ -300,7 +305,7 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
             response.status_code = 503
         return {"ready": ready, "state": trainer.state if trainer else "starting", "error": state["error"]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=PROMETHEUS_TEXT)
     async def metrics() -> Response:
         trainer = state["trainer"]
         if trainer is not None:
