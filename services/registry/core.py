@@ -99,6 +99,7 @@ class UploadCheck:
         self.limit = min(limit, MAX_MODEL_FILE_BYTES) if kind == "model" else limit
         self.declared = declared
         self.expected: int | None = None  # total size, once the header has arrived
+        self.opened = False  # model files: the first non-blank byte was a '{'
         self.body = bytearray()
         if declared is not None and declared > self.limit:
             raise TooLarge(f"body of {declared} bytes exceeds the limit of {self.limit}")
@@ -107,7 +108,12 @@ class UploadCheck:
         self.body += chunk
         if len(self.body) > self.limit:
             raise TooLarge(f"body exceeds the limit of {self.limit} bytes")
-        if self.expected is None:
+        if self.kind == "model":
+            if not self.opened and (start := chunk.lstrip()[:1]):  # earlier chunks were all blank
+                if start != b"{":
+                    raise Invalid("a model file is a JSON object")
+                self.opened = True
+        elif self.expected is None:
             try:
                 self.expected = self._declared_size()
             except PatchError as exc:
@@ -121,7 +127,7 @@ class UploadCheck:
             raise Invalid(f"{self.kind} is longer than the {self.expected} bytes its header declares")
 
     def _declared_size(self) -> int | None:
-        """The body's total size once its header is in; None while more bytes are needed."""
+        """The total size a patch or snapshot declares once its header is in; None until then."""
         body = self.body
         if self.kind == "patch":
             if bytes(body[: len(MAGIC)]) != MAGIC[: len(body)]:
@@ -130,15 +136,10 @@ class UploadCheck:
                 return None
             size = header_size(bytes(body[:16]))  # refuses an oversized header length
             return read_header(bytes(body[:size])).total_size if len(body) >= size else None
-        if self.kind == "snapshot":
-            if len(body) < 9:
-                return None
-            size = snapshot_header_size(bytes(body[:9]))
-            return snapshot_size(bytes(body[:size])) if len(body) >= size else None
-        start = body.lstrip()[:1]
-        if start and start != b"{":
-            raise Invalid("a model file is a JSON object")
-        return None
+        if len(body) < 9:
+            return None
+        size = snapshot_header_size(bytes(body[:9]))
+        return snapshot_size(bytes(body[:size])) if len(body) >= size else None
 
     def finish(self) -> bytes:
         if not self.body:
