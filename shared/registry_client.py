@@ -296,7 +296,8 @@ class RegistryClient:
 
     async def _get_json(self, suffix: str, params: dict[str, Any] | None = None) -> Any:
         async def action() -> Any:
-            response = await self._http.get(self._path(suffix), params=params)
+            # The token also lets a plan have a missing merged patch built at once (docs/registry.md).
+            response = await self._http.get(self._path(suffix), params=params, headers=self._auth())
             self._raise_for(response)
             return response.json()
 

@@ -7,9 +7,23 @@ These travel as JSON through Redis and HTTP, so field names are part of the cont
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+def _encodable(text: str) -> str:
+    # JSON may carry a lone surrogate (e.g. "\ud800"): a str that no UTF-8 consumer (tokenizer,
+    # Redis payload, JSON answer) can take. Refused where it enters, as invalid input.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text is not valid Unicode ({exc.reason} at position {exc.start})") from None
+    return text
+
+
+# A str that can be encoded as UTF-8 (JSON strings with lone surrogates are refused).
+Text = Annotated[str, AfterValidator(_encodable)]
 
 
 class PromptGroup(BaseModel):
@@ -100,8 +114,10 @@ class WorkerInfo(BaseModel):
 
 
 def one_line_error(error: Exception, subject: str = "value") -> str:
-    """A validation error (or any error) as one readable line: `loc: msg; loc: msg`.
+    """A validation error (pydantic's, or FastAPI's RequestValidationError: anything with an
+    `errors()` list) or any other error as one readable line: `loc: msg; loc: msg`.
     `subject` names a failure with no location (the whole body, entry, ...)."""
-    if isinstance(error, ValidationError):
-        return "; ".join(f"{'.'.join(map(str, e['loc'])) or subject}: {e['msg']}" for e in error.errors())
+    errors = error.errors() if isinstance(error, ValidationError) or callable(getattr(error, "errors", None)) else None
+    if errors:
+        return "; ".join(f"{'.'.join(map(str, e.get('loc', ()))) or subject}: {e.get('msg', '')}" for e in errors)
     return str(error).replace("\n", " ")

@@ -8,11 +8,13 @@ import uvicorn
 
 from services.registry.app import create_app
 from services.registry.settings import RegistrySettings
+from shared.http import require_token_off_loopback
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = RegistrySettings()
+    require_token_off_loopback("registry", settings.host, settings.api_token)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
 
 

@@ -7,19 +7,45 @@ import hmac
 import json
 import logging
 from contextlib import asynccontextmanager
+from typing import Annotated
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.registry.core import BadRange, RedisAnnouncer, Registry, RegistryError, TooLarge
+from services.registry.core import (
+    KEY_PART,
+    OBJECT_FOLDERS,
+    RUN_NAME,
+    BadRange,
+    RedisAnnouncer,
+    Registry,
+    RegistryError,
+    UploadCheck,
+    UploadKind,
+)
 from services.registry.settings import RegistrySettings
-from shared.registry_client import METRICS_HEADER, Manifest, Plan
+from shared.http import PROMETHEUS_TEXT, error_responses, install_error_handling
+from shared.registry_client import METRICS_HEADER, MODEL_FILES, Manifest, Plan
 from shared.storage import ObjectStorage
 
 log = logging.getLogger(__name__)
 
 SMALL_READ_BYTES = 16 << 20  # ranges up to this are read at once; larger ones are streamed
+
+
+# Path parameters as the OpenAPI describes them. The core checks them (one place, one message);
+# these only tell clients and fuzzers what is valid.
+Run = Annotated[str, Path(description="run name", json_schema_extra={"pattern": RUN_NAME.pattern})]
+ObjectKey = Annotated[str, Path(description="an object key, e.g. patches/3-4.patch", json_schema_extra={
+    "pattern": f"^({'|'.join(f.rstrip('/') for f in OBJECT_FOLDERS)})/{KEY_PART.pattern}$"})]
+ModelFile = Annotated[str, Path(description="a config or tokenizer file", json_schema_extra={"enum": list(MODEL_FILES)})]
+
+
+def upload_body(description: str) -> dict:
+    """openapi_extra of a PUT whose raw body the handler streams in itself."""
+    return {"requestBody": {"required": True, "description": description, "content": {
+        "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
 
 
 def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage | None = None) -> FastAPI:
@@ -28,7 +54,7 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
     announcer = RedisAnnouncer(settings.redis_url, settings.redis_prefix) if settings.redis_url else None
     registry = Registry(storage, settings, announce=announcer.announce if announcer else None)
     if not settings.api_token:
-        log.warning("SPARSECAST_API_TOKEN is unset: anyone who reaches the registry can publish")
+        log.warning("SPARSECAST_API_TOKEN is unset: any local process can publish (loopback only)")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -37,8 +63,11 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
         if announcer:
             await announcer.aclose()
 
-    app = FastAPI(title="sparsecast registry", lifespan=lifespan)
+    app = FastAPI(title="sparsecast registry", lifespan=lifespan, responses=error_responses(422))
     app.state.registry = registry
+    install_error_handling(app)
+    reads = error_responses(404)
+    writes = error_responses(400, 401, 409, 413)
 
     @app.exception_handler(RegistryError)
     async def registry_error(request: Request, exc: RegistryError) -> JSONResponse:
@@ -46,34 +75,32 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
         headers = {"Content-Range": f"bytes */{exc.size}"} if isinstance(exc, BadRange) else None
         return JSONResponse({"detail": str(exc)}, status_code=exc.status, headers=headers)
 
-    def require_token(request: Request) -> None:
-        if not settings.api_token:
-            return
+    def bearer(request: Request) -> bool:
+        """The request carries the configured token (never true when none is configured)."""
         given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_token}".encode()):
+        expected = f"Bearer {settings.api_token}"
+        return bool(settings.api_token) and hmac.compare_digest(given.encode("utf-8", "replace"), expected.encode())
+
+    def require_token(request: Request) -> None:
+        # Without a token writes are open: allowed on loopback only (__main__ refuses other binds).
+        if settings.api_token and not bearer(request):
             registry.metrics.rejections.labels("401").inc()
             raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
-    async def read_body(request: Request) -> bytes:
-        """The upload, streamed in with the size limit enforced as bytes arrive."""
-        limit = settings.max_upload_bytes
+    async def read_body(request: Request, kind: UploadKind) -> bytes:
+        """The upload, streamed in: size limit, magic bytes and the body's own declared length are
+        checked as bytes arrive, so junk is refused after its first bytes, not once held."""
         declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise TooLarge(f"body of {declared} bytes exceeds the limit of {limit}")
-        body = bytearray()
+        check = UploadCheck(kind, settings.max_upload_bytes, int(declared) if declared and declared.isdigit() else None)
         async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise TooLarge(f"body exceeds the limit of {limit} bytes")
-        if not body:
-            raise RegistryError("empty body")
-        return bytes(body)
+            check.feed(chunk)
+        return check.finish()
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz")
+    @app.get("/readyz", responses={503: {"description": "the store cannot be reached"}})
     async def readyz() -> JSONResponse:
         try:
             # obstore retries an unreachable store for minutes; a probe must answer promptly.
@@ -82,30 +109,37 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
             return JSONResponse({"status": "unavailable", "detail": str(exc)}, status_code=503)
         return JSONResponse({"status": "ready"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=PROMETHEUS_TEXT)
     async def metrics() -> Response:
         return Response(generate_latest(registry.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/runs/{run}/versions")
-    async def versions(run: str) -> list[Manifest]:
+    @app.get("/v1/runs/{run}/versions", responses=reads)
+    async def versions(run: Run) -> list[Manifest]:
         return await registry.versions(run)
 
-    @app.get("/v1/runs/{run}/latest")
-    async def latest(run: str) -> Manifest:
+    @app.get("/v1/runs/{run}/latest", responses=reads)
+    async def latest(run: Run) -> Manifest:
         return await registry.manifest(run)
 
-    @app.get("/v1/runs/{run}/manifests/{version}")
-    async def manifest(run: str, version: int) -> Manifest:
+    @app.get("/v1/runs/{run}/manifests/{version}", responses=reads)
+    async def manifest(run: Run, version: int) -> Manifest:
         return await registry.manifest(run, version)
 
-    @app.get("/v1/runs/{run}/plan")
+    @app.get("/v1/runs/{run}/plan", responses=reads)
     async def plan(
-        run: str, from_version: int = Query(-1, alias="from"), to_version: int | None = Query(None, alias="to")
+        run: Run, request: Request, from_version: int = Query(-1, alias="from"),
+        to_version: int | None = Query(None, alias="to"),
     ) -> Plan:
-        return await registry.plan(run, from_version, to_version)
+        """Cheapest way from `from` to `to`. Reads never write: only a request with the bearer
+        token may have a missing merged patch built now; others get what is stored (the next
+        publish builds the merges such plans wanted)."""
+        return await registry.plan(run, from_version, to_version, build_merges=bearer(request))
 
-    @app.get("/v1/runs/{run}/objects/{key:path}")
-    async def get_object(run: str, key: str, request: Request) -> Response:
+    @app.get("/v1/runs/{run}/objects/{key:path}", responses={
+        200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+              "description": "the object, or the requested range (206)"},
+        206: {"description": "a range of the object"}, **reads, **error_responses(416)})
+    async def get_object(run: Run, key: ObjectKey, request: Request) -> Response:
         store_key, start, end, size, partial = await registry.object_range(run, key, request.headers.get("range"))
         headers = {"Accept-Ranges": "bytes", "Content-Length": str(end - start)}
         if partial:
@@ -120,8 +154,9 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
             media_type="application/octet-stream",
         )
 
-    @app.put("/v1/runs/{run}/patches/{version}", dependencies=[Depends(require_token)])
-    async def put_patch(run: str, version: int, request: Request, metrics: str | None = None) -> Manifest:
+    @app.put("/v1/runs/{run}/patches/{version}", dependencies=[Depends(require_token)], responses=writes,
+             openapi_extra=upload_body("a patch, docs/patch-format.md"))
+    async def put_patch(run: Run, version: int, request: Request, metrics: str | None = None) -> Manifest:
         raw = request.headers.get(METRICS_HEADER) or metrics or "{}"
         try:
             step_metrics = json.loads(raw)
@@ -129,23 +164,27 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
             raise HTTPException(422, f"metrics are not JSON: {exc}") from exc
         if not isinstance(step_metrics, dict):
             raise HTTPException(422, "metrics must be a JSON object")
-        return await registry.publish_patch(run, version, await read_body(request), step_metrics)
+        return await registry.publish_patch(run, version, await read_body(request, "patch"), step_metrics)
 
-    @app.put("/v1/runs/{run}/snapshots/{version}", dependencies=[Depends(require_token)])
-    async def put_snapshot(run: str, version: int, request: Request) -> Manifest:
-        return await registry.publish_snapshot(run, version, await read_body(request))
+    @app.put("/v1/runs/{run}/snapshots/{version}", dependencies=[Depends(require_token)], responses=writes,
+             openapi_extra=upload_body("a snapshot: safetensors with sparsecast metadata"))
+    async def put_snapshot(run: Run, version: int, request: Request) -> Manifest:
+        return await registry.publish_snapshot(run, version, await read_body(request, "snapshot"))
 
-    @app.get("/v1/runs/{run}/model")
-    async def model_files(run: str) -> list[str]:
+    @app.get("/v1/runs/{run}/model", responses=reads)
+    async def model_files(run: Run) -> list[str]:
         return await registry.model_files(run)
 
-    @app.put("/v1/runs/{run}/model/{name}", dependencies=[Depends(require_token)])
-    async def put_model_file(run: str, name: str, request: Request) -> dict[str, str]:
-        await registry.put_model_file(run, name, await read_body(request))
+    @app.put("/v1/runs/{run}/model/{name}", dependencies=[Depends(require_token)], responses=writes,
+             openapi_extra={"requestBody": {"required": True, "description": "a config or tokenizer JSON file",
+                                            "content": {"application/json": {"schema": {"type": "object"}}}}})
+    async def put_model_file(run: Run, name: ModelFile, request: Request) -> dict[str, str]:
+        await registry.put_model_file(run, name, await read_body(request, "model"))
         return {"stored": name}
 
-    @app.get("/v1/runs/{run}/model/{name}")
-    async def get_model_file(run: str, name: str) -> Response:
+    @app.get("/v1/runs/{run}/model/{name}", responses={
+        200: {"content": {"application/json": {"schema": {"type": "object"}}}, "description": "the file"}, **reads})
+    async def get_model_file(run: Run, name: ModelFile) -> Response:
         return Response(await registry.get_model_file(run, name), media_type="application/json")
 
     return app

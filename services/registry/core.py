@@ -24,19 +24,23 @@ import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from services.registry.metrics import RegistryMetrics
 from services.registry.settings import RegistrySettings
 from shared.patch import (
+    MAGIC,
     PatchError,
     apply_patch,
+    header_size,
     load_snapshot,
     merge_patches,
     read_header,
     save_snapshot,
+    snapshot_header_size,
+    snapshot_size,
     verify_chunks,
 )
 from shared.registry_client import MODEL_FILES, Manifest, ObjectRef, Plan, PlanStep
@@ -46,6 +50,10 @@ log = logging.getLogger(__name__)
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 OBJECT_FOLDERS = ("patches/", "snapshots/", "manifests/", "merged/", "model/")
+KEY_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")  # every name the registry writes
+# Config and tokenizer JSON: the largest common tokenizer.json files are ~10-20 MB.
+MAX_MODEL_FILE_BYTES = 64 << 20
+UploadKind = Literal["patch", "snapshot", "model"]
 
 
 class RegistryError(Exception):
@@ -81,6 +89,66 @@ def piece_hashes(data: bytes, piece_bytes: int) -> list[str]:
     return [hashlib.sha256(view[i : i + piece_bytes]).hexdigest() for i in range(0, len(data), piece_bytes)]
 
 
+class UploadCheck:
+    """An upload checked as its bytes arrive: the size limit, then the magic bytes and the length
+    its own header declares, so junk is refused after its first bytes instead of being held in
+    memory up to the limit. The whole body is still needed to verify it (chunks, fingerprint)."""
+
+    def __init__(self, kind: UploadKind, limit: int, declared: int | None = None) -> None:
+        self.kind = kind
+        self.limit = min(limit, MAX_MODEL_FILE_BYTES) if kind == "model" else limit
+        self.declared = declared
+        self.expected: int | None = None  # total size, once the header has arrived
+        self.opened = False  # model files: the first non-blank byte was a '{'
+        self.body = bytearray()
+        if declared is not None and declared > self.limit:
+            raise TooLarge(f"body of {declared} bytes exceeds the limit of {self.limit}")
+
+    def feed(self, chunk: bytes) -> None:
+        self.body += chunk
+        if len(self.body) > self.limit:
+            raise TooLarge(f"body exceeds the limit of {self.limit} bytes")
+        if self.kind == "model":
+            if not self.opened and (start := chunk.lstrip()[:1]):  # earlier chunks were all blank
+                if start != b"{":
+                    raise Invalid("a model file is a JSON object")
+                self.opened = True
+        elif self.expected is None:
+            try:
+                self.expected = self._declared_size()
+            except PatchError as exc:
+                raise Invalid(f"malformed {self.kind}: {type(exc).__name__}: {exc}") from exc
+            if self.expected is not None:
+                if self.expected > self.limit:
+                    raise TooLarge(f"{self.kind} of {self.expected} bytes exceeds the limit of {self.limit}")
+                if self.declared is not None and self.declared != self.expected:
+                    raise Invalid(f"Content-Length is {self.declared}, the {self.kind} says {self.expected} bytes")
+        if self.expected is not None and len(self.body) > self.expected:
+            raise Invalid(f"{self.kind} is longer than the {self.expected} bytes its header declares")
+
+    def _declared_size(self) -> int | None:
+        """The total size a patch or snapshot declares once its header is in; None until then."""
+        body = self.body
+        if self.kind == "patch":
+            if bytes(body[: len(MAGIC)]) != MAGIC[: len(body)]:
+                raise Invalid("not a sparsecast patch (bad magic)")
+            if len(body) < 16:
+                return None
+            size = header_size(bytes(body[:16]))  # refuses an oversized header length
+            return read_header(bytes(body[:size])).total_size if len(body) >= size else None
+        if len(body) < 9:
+            return None
+        size = snapshot_header_size(bytes(body[:9]))
+        return snapshot_size(bytes(body[:size])) if len(body) >= size else None
+
+    def finish(self) -> bytes:
+        if not self.body:
+            raise RegistryError("empty body")
+        if self.expected is not None and len(self.body) < self.expected:
+            raise Invalid(f"{self.kind} is truncated: {len(self.body)} of {self.expected} bytes")
+        return bytes(self.body)
+
+
 def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     """One `bytes=a-b`, `bytes=a-` or `bytes=-n` range → [start, end); None for the whole object."""
     if header is None:
@@ -108,6 +176,9 @@ class RunState:
     manifests: dict[int, Manifest] = field(default_factory=dict)
     merged: dict[tuple[int, int], ObjectRef] = field(default_factory=dict)
     leases: dict[str, float] = field(default_factory=dict)  # object key → monotonic expiry
+    # Merges that plans could not use because nobody may build them on a read: lag b−a → when a
+    # plan last wanted it; SNAPSHOT_LAG stands for "newest snapshot → head" (fresh workers).
+    wanted: dict[int, float] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -116,6 +187,9 @@ class RunState:
 
     def snapshots(self) -> list[int]:
         return sorted(v for v, m in self.manifests.items() if m.snapshot is not None)
+
+
+SNAPSHOT_LAG = 0  # key of RunState.wanted for the snapshot s → head merge (real lags are >= 2)
 
 
 class RedisAnnouncer:
@@ -151,6 +225,8 @@ class Registry:
         self._runs: dict[str, RunState] = {}
         self._loading = asyncio.Lock()
         self._merge_locks: dict[tuple[str, int, int], asyncio.Lock] = {}
+        # Merges are CPU-heavy (seconds for a 1.7B chain): one at a time, whoever asks.
+        self._merge_slot = asyncio.Semaphore(1)
         self._tasks: set[asyncio.Task[None]] = set()
         # Plan leases live in memory: after a restart nothing is deleted for one lease period, so
         # plans handed out by the previous process stay served (docs/registry.md, retention).
@@ -206,8 +282,8 @@ class Registry:
 
     def object_key(self, run: str, key: str) -> str:
         """Store key of a run-relative object key; refuses anything outside the run's folders."""
-        parts = key.split("/")
-        if not key.startswith(OBJECT_FOLDERS) or any(p in ("", ".", "..") or "\\" in p for p in parts):
+        folder, _, name = key.partition("/")
+        if f"{folder}/" not in OBJECT_FOLDERS or not KEY_PART.fullmatch(name):
             raise Invalid(f"bad object key {key!r}: expected e.g. patches/3-4.patch")
         return f"{run}/{key}"
 
@@ -277,6 +353,7 @@ class Registry:
         every = self.settings.snapshot_every
         if every and version % every == 0:
             self._spawn(self._materialize(run, version))
+        self._spawn(self._merge_wanted(run, version))
         return manifest
 
     @staticmethod
@@ -390,10 +467,17 @@ class Registry:
     # -- planning --
 
     def _chain(self, state: RunState, a: int, b: int) -> list[Manifest] | None:
+        if b - a > len(state.manifests):  # cannot all be retained: answer without walking b−a
+            return None
         chain = [state.manifests.get(v) for v in range(a + 1, b + 1)]
         return chain if all(m is not None and m.patch is not None for m in chain) else None  # type: ignore[misc]
 
-    async def plan(self, run: str, from_version: int | None, to_version: int | None) -> Plan:
+    async def plan(
+        self, run: str, from_version: int | None, to_version: int | None, *, build_merges: bool = True
+    ) -> Plan:
+        """The cheapest way from `from_version` to `to_version`. Without `build_merges` (an
+        unauthenticated read) a missing merged patch is not built: the plan uses what is stored,
+        and the wish is noted so that the next publish builds it (reads never write)."""
         state = await self._run(run)
         target = await self.manifest(run, to_version)
         b = target.version
@@ -411,7 +495,7 @@ class Registry:
             steps = [patch_step(m.patch, m.version - 1, m) for m in chain]
             candidates.append((sum(s.object.size for s in steps), 2, "chain", steps))
             if 2 <= b - a <= self.settings.max_merge_lag:
-                merged = await self._merged(run, state, a, b)
+                merged = await self._merged_for_plan(run, state, a, b, b - a, build_merges)
                 if merged is not None:
                     candidates.append((merged.size, 1, "merged", [patch_step(merged, a, target)]))
         snapshots = [s for s in state.snapshots() if s <= b]
@@ -427,7 +511,7 @@ class Registry:
             # is far smaller than any snapshot, so that merge would be wasted work.
             patch_path = any(c[2] != "snapshot" for c in candidates)
             if not patch_path and s == snapshots[-1] and 2 <= b - s <= self.settings.max_merge_lag:
-                merged = await self._merged(run, state, s, b)
+                merged = await self._merged_for_plan(run, state, s, b, SNAPSHOT_LAG, build_merges)
                 if merged is not None:
                     candidates.append((snap.snapshot.size + merged.size, 3, "snapshot", [first, patch_step(merged, s, target)]))
         if not candidates:
@@ -442,12 +526,36 @@ class Registry:
             total_bytes=total, steps=steps, lease_s=self.settings.plan_lease_s,
         )
 
+    async def _merged_for_plan(
+        self, run: str, state: RunState, a: int, b: int, wish: int, build: bool
+    ) -> ObjectRef | None:
+        if build or (a, b) in state.merged:
+            return await self._merged(run, state, a, b)
+        state.wanted[wish] = time.monotonic()
+        return None
+
+    async def _merge_wanted(self, run: str, version: int) -> None:
+        """After publishing `version`: build the merges plans wanted lately, ending at it, so that
+        workers asking anonymously find them (at most max_publish_merges, most recent wishes first)."""
+        state = self._runs[run]
+        now = time.monotonic()
+        recent = {k: t for k, t in state.wanted.items() if now - t <= self.settings.merge_demand_s}
+        state.wanted = recent
+        limit = self.settings.max_publish_merges
+        for wish in sorted(recent, key=lambda k: (-recent[k], k))[:limit]:
+            if wish == SNAPSHOT_LAG:
+                a = max((v for v in state.snapshots() if v <= version), default=None)
+            else:
+                a = version - wish
+            if a is not None and 2 <= version - a <= self.settings.max_merge_lag and state.head == version:
+                await self._merged(run, state, a, version)
+
     async def _merged(self, run: str, state: RunState, a: int, b: int) -> ObjectRef | None:
         """The merged a→b patch, built once and cached in the store; None if it cannot be built."""
         if (a, b) in state.merged:
             return state.merged[(a, b)]
         lock = self._merge_locks.setdefault((run, a, b), asyncio.Lock())
-        async with lock:
+        async with lock, self._merge_slot:
             if (a, b) in state.merged:
                 return state.merged[(a, b)]
             t0 = time.perf_counter()

@@ -11,7 +11,7 @@ from shared.storage import S3Options
 class RegistrySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPARSECAST_", extra="ignore")
 
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # loopback unless told otherwise; off loopback an API token is required
     port: int = 8100
     # file://<dir> (default), s3://<bucket>[/<prefix>] for S3/MinIO; memory:// only for tests.
     store_url: str = "file://./data/registry"
@@ -20,7 +20,8 @@ class RegistrySettings(BaseSettings):
     s3_access_key_id: str | None = None
     s3_secret_access_key: str | None = None
     s3_allow_http: bool = False
-    # Bearer token for writes. Unset: writes are open (a warning is logged at startup).
+    # Bearer token for writes and for plans that may build merged patches. Unset: writes are
+    # open, which is allowed on a loopback bind only (the service refuses to start otherwise).
     api_token: str | None = None
     redis_url: str | None = None
     redis_prefix: str = "sparsecast"
@@ -37,6 +38,10 @@ class RegistrySettings(BaseSettings):
     plan_lease_s: float = Field(default=300.0, ge=0)
     # Merged a→b patches are only computed for lags up to this (beyond it snapshots win anyway).
     max_merge_lag: int = Field(default=32, ge=0)
+    # Unauthenticated plans never build merges; the lags they wanted within this long are merged
+    # when the next versions are published, at most max_publish_merges per publish.
+    merge_demand_s: float = Field(default=600.0, ge=0)
+    max_publish_merges: int = Field(default=4, ge=0)
 
     def s3_options(self) -> S3Options:
         return S3Options(

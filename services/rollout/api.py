@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shared.schemas import KVStats
+from shared.schemas import KVStats, Text
 
 Policy = Literal["dense", "streaming", "snapkv", "h2o", "rkv"]
 
@@ -14,7 +14,7 @@ Policy = Literal["dense", "streaming", "snapkv", "h2o", "rkv"]
 class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    prompts: list[str] | None = Field(default=None, description="texts, tokenized by the model's tokenizer")
+    prompts: list[Text] | None = Field(default=None, description="texts, tokenized by the model's tokenizer")
     prompt_ids: list[list[int]] | None = Field(default=None, description="token ids, used as given")
     n: int = Field(default=1, ge=1, description="samples per prompt")
     max_tokens: int = Field(default=256, ge=1)
@@ -65,14 +65,14 @@ class CompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
 
-    model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
+    model: Text | None = None
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int = Field(default=16, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=1, description="only the sampled token's log-prob")
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = None
     stream: bool = False
     echo: bool = False

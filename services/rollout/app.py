@@ -34,6 +34,7 @@ from services.rollout.settings import RolloutSettings
 from services.rollout.sync import WeightSync, bootstrap_model, match_registry_version
 from services.rollout.worker import RolloutWorker
 from shared.coord import Coordinator
+from shared.http import PROMETHEUS_TEXT, error_responses, install_error_handling
 from shared.registry_client import RegistryClient
 from shared.schemas import one_line_error
 
@@ -113,9 +114,11 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
             if redis is not None:
                 await redis.aclose()
 
-    app = FastAPI(title="sparsecast rollout", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="sparsecast rollout", version="0.1.0", lifespan=lifespan, responses=error_responses(422),
                   description="Sparse-KV generation, an OpenAI completions subset, live weight sync.")
+    install_error_handling(app)
     bearer = HTTPBearer(auto_error=False)
+    generation = error_responses(400, 401, 413, 503)
 
     def get_core() -> RolloutCore:
         if state["core"] is None:
@@ -132,7 +135,7 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
         if max_tokens > settings.max_new_tokens_limit:
             raise HTTPException(400, f"max_tokens={max_tokens} is over this server's limit of {settings.max_new_tokens_limit}")
 
-    @app.post("/v1/generate", response_model=GenerateResponse, dependencies=[Depends(authorize)])
+    @app.post("/v1/generate", response_model=GenerateResponse, dependencies=[Depends(authorize)], responses=generation)
     async def generate(req: GenerateRequest, core: RolloutCore = Depends(get_core)) -> GenerateResponse:
         prompts = req.prompt_ids if req.prompt_ids is not None else [core.encode(t) for t in req.prompts or []]
         check_budget(core, len(prompts) * req.n, req.max_tokens)
@@ -162,7 +165,7 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
             ],
         )
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/completions", dependencies=[Depends(authorize)], responses=generation)
     async def completions(req: CompletionRequest, core: RolloutCore = Depends(get_core)) -> dict:
         raw = req.prompt_list()
         prompts = [core.encode(p) if isinstance(p, str) else list(p) for p in raw]
@@ -203,7 +206,7 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
     async def models() -> dict:
         return {"object": "list", "data": [{"id": settings.served_model_name, "object": "model", "owned_by": "sparsecast"}]}
 
-    @app.get("/v1/weights", response_model=WeightsInfo)
+    @app.get("/v1/weights", response_model=WeightsInfo, responses=error_responses(503))
     async def weights(core: RolloutCore = Depends(get_core)) -> WeightsInfo:
         w, sync = core.weights, state["sync"]
         return WeightsInfo(version=w.version, fingerprint=w.fingerprint, sync_state=w.sync_state,
@@ -223,7 +226,7 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
             response.status_code = 503
         return {"ready": ready, "version": core.weights.version if core else None}
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=PROMETHEUS_TEXT)
     async def prometheus() -> Response:
         core, worker, sync = state["core"], state["worker"], state["sync"]
         if core is not None:

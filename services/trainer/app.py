@@ -24,8 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from services.trainer.core import Trainer
 from services.trainer.settings import TrainerSettings
 from shared.coord import Coordinator, QueueFull
+from shared.http import PROMETHEUS_TEXT, BodyLimit, error_responses, inline_schema, install_error_handling
 from shared.registry_client import RegistryClient
-from shared.schemas import PromptGroup, one_line_error
+from shared.schemas import PromptGroup, Text, one_line_error
 from shared.tasks import get_task, list_tasks
 from shared.tasks.numeric import numeric_row
 
@@ -37,9 +38,9 @@ MAX_PROMPTS_PER_REQUEST = 10_000
 class PromptIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str = Field(min_length=1)
-    answer: str | None = None
-    id: str | None = Field(default=None, min_length=1, max_length=200)
+    prompt: Text = Field(min_length=1)
+    answer: Text | None = Field(default=None, description="required by every built-in task")
+    id: Text | None = Field(default=None, min_length=1, max_length=200)
     max_new_tokens: int | None = Field(default=None, ge=1, description="default: the task's own")
     metadata: dict[str, Any] = Field(default_factory=dict)
 
@@ -55,12 +56,56 @@ class GenerateSpec(BaseModel):
 
 
 class PromptsRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Exactly one of `prompts` and `generate` (checked in the handler; stated here for clients).
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"oneOf": [
+        {"required": ["prompts"], "properties": {"prompts": {"type": "array"}}},
+        {"required": ["generate"], "properties": {"generate": {"type": "object"}}}]})
 
-    task: str | None = Field(default=None, description="default: the trainer's default task")
+    task: Text | None = Field(default=None, description="default: the trainer's default task",
+                              json_schema_extra={"enum": [*list_tasks(), None]})
     samples_per_prompt: int | None = Field(default=None, ge=1, le=1024)
     prompts: list[PromptIn] | None = Field(default=None, max_length=MAX_PROMPTS_PER_REQUEST)
     generate: GenerateSpec | None = Field(default=None, description="make prompts from a built-in task")
+
+
+class PromptsAccepted(BaseModel):
+    task: str
+    samples_per_prompt: int
+    count: int
+    ids: list[str] = Field(description="prompt group ids, in the order given")
+    entries: list[str] = Field(description="their queue entries")
+
+
+PROMPTS_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": inline_schema(PromptsRequest)},
+    "application/x-ndjson": {"schema": {
+        "type": "string", "format": "binary",  # bytes: what arrives is not always UTF-8
+        "description": "JSONL (UTF-8): one object per line with `prompt` (or GSM8K-style `question`) and "
+                       "`answer`, plus optional `id` and `metadata`"}},
+    "multipart/form-data": {"schema": {
+        "type": "object", "required": ["file"],
+        "properties": {"file": {"type": "string", "format": "binary", "description": "a JSONL file"}}}},
+}}}
+
+
+def check_prompt(settings: TrainerSettings, task: Any, n: int, item: PromptIn) -> None:
+    """422 for a prompt over the size limits or with an answer the task cannot score (which
+    would fail on every worker that claims it), before anything reaches Redis."""
+    where = f"prompt {n}"
+    for field, value, limit in (("prompt", item.prompt, settings.max_prompt_chars),
+                                ("answer", item.answer or "", settings.max_answer_chars)):
+        if len(value) > limit:
+            raise HTTPException(422, f"{where}: {field} has {len(value)} characters; the limit is {limit}")
+    try:
+        size = len(json.dumps(item.metadata, ensure_ascii=False).encode("utf-8"))
+    except (UnicodeEncodeError, ValueError, TypeError, RecursionError) as exc:
+        raise HTTPException(422, f"{where}: metadata is not UTF-8 JSON: {type(exc).__name__}") from exc
+    if size > settings.max_metadata_bytes:
+        raise HTTPException(422, f"{where}: metadata is {size} bytes as JSON; the limit is {settings.max_metadata_bytes}")
+    try:
+        task.check_answer(item.answer)
+    except ValueError as exc:
+        raise HTTPException(422, f"{where}: {exc}") from exc
 
 
 def load_api_token(settings: TrainerSettings) -> str:
@@ -123,9 +168,12 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
             await client.aclose()
             await redis.aclose()
 
-    app = FastAPI(title="sparsecast trainer", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="sparsecast trainer", version="0.1.0", lifespan=lifespan, responses=error_responses(422),
                   description="GRPO with Sparse-RL corrections; a sparse weight patch published every step.")
+    install_error_handling(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     bearer = HTTPBearer(auto_error=False)
+    controls = error_responses(401, 503)
 
     def authorize(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
         if creds is None or not secrets.compare_digest(creds.credentials, token):
@@ -136,14 +184,16 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
             raise HTTPException(503, state["error"] or "trainer is starting (loading or warm-starting the model)")
         return state["trainer"]
 
-    async def enqueue(task_name: str | None, samples: int | None, items: list[PromptIn]) -> dict:
+    async def enqueue(task_name: str | None, samples: int | None, items: list[PromptIn]) -> PromptsAccepted:
         name = task_name or settings.default_task
         try:
-            get_task(name)
+            task = get_task(name)
         except KeyError as exc:
             raise HTTPException(400, str(exc.args[0])) from exc
         if not items:
             raise HTTPException(400, "no prompts given")
+        for i, item in enumerate(items):
+            check_prompt(settings, task, i, item)
         n = samples or settings.samples_per_prompt
         groups = [PromptGroup(id=p.id or f"{settings.run}-{uuid.uuid4().hex[:16]}", task=name, prompt=p.prompt,
                               answer=p.answer, samples=n, max_new_tokens=p.max_new_tokens, metadata=p.metadata)
@@ -152,12 +202,13 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
             ids = await state["coord"].enqueue(groups)
         except QueueFull as exc:
             raise HTTPException(429, str(exc)) from exc
-        return {"task": name, "samples_per_prompt": n, "count": len(groups), "ids": [g.id for g in groups],
-                "entries": ids}
+        return PromptsAccepted(task=name, samples_per_prompt=n, count=len(groups), ids=[g.id for g in groups],
+                               entries=ids)
 
-    @app.post("/v1/prompts", dependencies=[Depends(authorize)])
-    async def submit_prompts(request: Request, task: str | None = Query(None),
-                             samples_per_prompt: int | None = Query(None, ge=1, le=1024)) -> dict:
+    @app.post("/v1/prompts", dependencies=[Depends(authorize)], openapi_extra=PROMPTS_BODY,
+              responses=error_responses(400, 401, 413, 415, 422, 429))
+    async def submit_prompts(request: Request, task: str | None = Query(None, json_schema_extra={"enum": list_tasks()}),
+                             samples_per_prompt: int | None = Query(None, ge=1, le=1024)) -> PromptsAccepted:
         """JSON body (PromptsRequest), or a JSONL upload (application/x-ndjson or multipart file):
         one object per line with `prompt` (or GSM8K-style `question`) and `answer`."""
         ctype = request.headers.get("content-type", "")
@@ -187,11 +238,11 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
                 items = body.prompts or []
             return await enqueue(name, body.samples_per_prompt or samples_per_prompt, items)
         if ctype.startswith("multipart/form-data"):
-            form = await request.form()
-            upload = form.get("file")
-            if upload is None or isinstance(upload, str):
-                raise HTTPException(422, "multipart upload needs a 'file' field holding JSONL")
-            raw = await upload.read()
+            async with request.form() as form:  # closes the spooled upload files
+                upload = form.get("file")
+                if upload is None or isinstance(upload, str):
+                    raise HTTPException(422, "multipart upload needs a 'file' field holding JSONL")
+                raw = await upload.read()
         elif ctype.startswith(("application/x-ndjson", "application/jsonl", "text/plain")):
             raw = await request.body()
         else:
@@ -239,17 +290,17 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
         rows = trainer.history if trainer else []
         return {"history": [r for r in rows if r.get("step", 0) > since]}
 
-    @app.post("/v1/train/pause", dependencies=[Depends(authorize)])
+    @app.post("/v1/train/pause", dependencies=[Depends(authorize)], responses=controls)
     async def pause(trainer: Trainer = Depends(get_trainer)) -> dict:
         trainer.paused.set()
         return {"paused": True, "step": trainer.step}
 
-    @app.post("/v1/train/resume", dependencies=[Depends(authorize)])
+    @app.post("/v1/train/resume", dependencies=[Depends(authorize)], responses=controls)
     async def resume(trainer: Trainer = Depends(get_trainer)) -> dict:
         trainer.paused.clear()
         return {"paused": False, "step": trainer.step}
 
-    @app.post("/v1/checkpoint", dependencies=[Depends(authorize)])
+    @app.post("/v1/checkpoint", dependencies=[Depends(authorize)], responses=controls)
     async def checkpoint(trainer: Trainer = Depends(get_trainer)) -> dict:
         await trainer.wait_published()
         path = await asyncio.to_thread(trainer.save_checkpoint)
@@ -267,7 +318,7 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
             response.status_code = 503
         return {"ready": ready, "state": trainer.state if trainer else "starting", "error": state["error"]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=PROMETHEUS_TEXT)
     async def metrics() -> Response:
         trainer = state["trainer"]
         if trainer is not None:
@@ -300,14 +351,21 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
 
 
 def _parse_jsonl(raw: bytes) -> list[PromptIn]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise HTTPException(422, f"line {line}: not UTF-8 (byte {exc.start} of the upload: {exc.reason})") from exc
     items = []
-    for n, line in enumerate(raw.decode("utf-8", errors="strict").splitlines(), start=1):
+    for n, line in enumerate(text.split("\n"), start=1):  # JSONL lines end at \n only, not at U+2028
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise HTTPException(422, f"line {n}: not JSON ({exc.msg})") from exc
+        except RecursionError as exc:
+            raise HTTPException(422, f"line {n}: nested too deeply") from exc
         if not isinstance(obj, dict):
             raise HTTPException(422, f"line {n}: expected an object")
         if "prompt" not in obj and "question" in obj:  # GSM8K style: the answer ends with '#### N'

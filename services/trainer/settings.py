@@ -23,7 +23,8 @@ class TrainerSettings(BaseSettings):
     data_dir: str = "./data/trainer"  # checkpoints, metrics.jsonl, the warm-start cache
     run: str = "default"
     # Bearer token for writes (prompts, pause/resume, checkpoint) and for publishing to the
-    # registry. Empty: a random token is made at startup and written to <data_dir>/api-token.
+    # registry. Empty: a random token is made at startup and written to <data_dir>/api-token
+    # (on a loopback bind only: off loopback the service refuses to start without this setting).
     api_token: str = ""
     registry_url: str = "http://127.0.0.1:8100"
     redis_url: str = "redis://127.0.0.1:6379"
@@ -57,6 +58,12 @@ class TrainerSettings(BaseSettings):
     checkpoint_every: int = Field(default=10, ge=0, description="steps between automatic checkpoints; 0 = off")
     snapshot_every: int = Field(default=0, ge=0, description="trainer-side snapshots; the registry also makes them")
     seed: int = 0
+    # Request limits of POST /v1/prompts (a 10 MB prompt used to freeze every worker that claimed
+    # it): the body (413 over it, checked while it streams in) and each prompt's fields (422).
+    max_body_bytes: int = Field(default=32 << 20, ge=1)
+    max_prompt_chars: int = Field(default=65_536, ge=1, description="~16k tokens of text")
+    max_answer_chars: int = Field(default=4_096, ge=1)
+    max_metadata_bytes: int = Field(default=16_384, ge=0, description="metadata as UTF-8 JSON")
     # Default task for POST /v1/prompts with generated prompts.
     default_task: str = "addition"
     samples_per_prompt: int = Field(default=8, ge=1)

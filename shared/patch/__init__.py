@@ -17,6 +17,7 @@ from .errors import (
 )
 from .fingerprint import chunk_checksum, fingerprint
 from .format import (
+    MAGIC,
     Chunk,
     PatchHeader,
     Stream,
@@ -27,12 +28,20 @@ from .format import (
     verify_chunks,
 )
 from .merge import merge_patches
-from .snapshot import SnapshotInfo, load_snapshot, save_snapshot, snapshot_info
+from .snapshot import (
+    SnapshotInfo,
+    load_snapshot,
+    save_snapshot,
+    snapshot_header_size,
+    snapshot_info,
+    snapshot_size,
+)
 
 __all__ = [
     "Chunk",
     "CorruptPatchError",
     "FormatError",
+    "MAGIC",
     "PatchError",
     "PatchHeader",
     "SnapshotInfo",
@@ -52,7 +61,9 @@ __all__ = [
     "merge_patches",
     "read_header",
     "save_snapshot",
+    "snapshot_header_size",
     "snapshot_info",
+    "snapshot_size",
     "verify_chunk",
     "verify_chunks",
 ]

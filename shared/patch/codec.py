@@ -42,6 +42,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MAX_VARINT_BYTES = 9  # 9 * 7 = 63 bits: every non-negative int64
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a standard zstd frame (skippable frames use other magics)
 ZSTD_LEVEL = 1  # on these streams levels 3 and 6 were no smaller than 1 (measured), only slower
 _MASK_BYTES = 1 << 30  # changed-element masks (1 byte each) held before their counts are fetched
 _POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="sparsecast-zstd")
@@ -125,6 +126,9 @@ def varint_decode(data: torch.Tensor, count: int) -> torch.Tensor:
     longest = int(lengths.max())
     if longest > _MAX_VARINT_BYTES:
         raise CorruptPatchError("varint longer than 9 bytes in index stream")
+    if bool(((lengths > 1) & (data[ends] == 0)).any()):
+        # A trailing zero group adds nothing: one value would have several encodings.
+        raise CorruptPatchError("over-long varint (last byte 0x00) in index stream")
     values = (data[starts] & 0x7F).to(torch.int64)
     for k in range(1, longest):
         sel = torch.nonzero(lengths > k).view(-1)
@@ -157,8 +161,19 @@ def compress(raw: bytes) -> bytes:
 
 
 def decompress(data: bytes | memoryview, raw_length: int, what: str) -> bytes:
+    """A stream is exactly one standard zstd frame, without dictionary, whose declared content
+    size is `raw_length` (docs/patch-format.md §3): other frames, skippable frames and trailing
+    bytes are refused, so every reader decodes the same bytes."""
+    if bytes(data[:4]) != ZSTD_MAGIC:
+        raise CorruptPatchError(f"{what}: not a zstd frame")
     try:
-        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_length)
+        frame = zstandard.get_frame_parameters(data)
+        if frame.content_size != raw_length:
+            declared = "none" if frame.content_size == zstandard.CONTENTSIZE_UNKNOWN else frame.content_size
+            raise CorruptPatchError(f"{what}: zstd frame declares {declared} bytes, header says {raw_length}")
+        if frame.dict_id:
+            raise CorruptPatchError(f"{what}: zstd frame needs a dictionary")
+        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_length, allow_extra_data=False)
     except zstandard.ZstdError as e:
         raise CorruptPatchError(f"{what}: zstd: {e}") from e
     if len(out) != raw_length:
@@ -393,6 +408,8 @@ def decode_sparse(
     indices = torch.cumsum(gaps + 1, 0) - 1
     if int(indices[-1]) >= numel:
         raise CorruptPatchError(f"{entry.name}: index {int(indices[-1])} beyond {numel} elements")
+    if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+        raise CorruptPatchError(f"{entry.name}: index sum overflows")  # int64 wrap-around
     u = planes_decode(torch.frombuffer(bytearray(payload_raw), dtype=torch.uint8).to(device), width)
     return indices, unzigzag(u) if entry.encoding == "bitdelta" else u
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +25,7 @@ from math import prod
 from typing import TYPE_CHECKING, Any
 
 from .errors import CorruptPatchError, FormatError, TruncatedPatchError
-from .fingerprint import chunk_checksum
+from .fingerprint import FINGERPRINT_PREFIX, chunk_checksum
 
 if TYPE_CHECKING:
     from .codec import EncodedTensor
@@ -33,6 +34,13 @@ MAGIC = b"SCPATCH\0"
 FORMAT_VERSION = 1
 PREFIX_BYTES = 16
 HEADER_DIGEST_BYTES = 32
+# Cap on H, checked before the header is read: a flipped byte in the length field would otherwise
+# have a ranged reader fetch up to 4 GiB before any checksum runs. 16 MiB holds ~150k chunk
+# entries (a header is ~200 bytes per tensor and ~100 per chunk).
+MAX_HEADER_BYTES = 16 << 20
+MAX_INT = (1 << 63) - 1  # every header integer fits a signed 64-bit integer
+_FINGERPRINT = re.compile(re.escape(FINGERPRINT_PREFIX) + r"[0-9a-f]{32}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _PREFIX = struct.Struct("<8sHHI")
 WIDTHS = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1,
            "int16": 2, "int32": 4, "int64": 8}
@@ -108,6 +116,8 @@ def write_patch(header: PatchHeader, encoded: Sequence[EncodedTensor]) -> bytes:
     header.tensors = tensors
     header.chunks = [Chunk(o, n, d) for (o, n), d in zip(spans, digests, strict=True)]
     body = header.to_json()
+    if len(body) > MAX_HEADER_BYTES:
+        raise FormatError(f"header of {len(body)} bytes exceeds {MAX_HEADER_BYTES}: use larger chunk_bytes")
     header.header_bytes = PREFIX_BYTES + len(body) + HEADER_DIGEST_BYTES
     header.total_size = header.header_bytes + len(data)
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(body))
@@ -125,6 +135,8 @@ def header_size(prefix: bytes | memoryview) -> int:
         raise FormatError(f"unsupported patch format version {version} (this reader knows {FORMAT_VERSION})")
     if reserved != 0:
         raise FormatError("reserved prefix field is not zero")
+    if body_len > MAX_HEADER_BYTES:
+        raise FormatError(f"header length {body_len} exceeds the format's cap of {MAX_HEADER_BYTES} bytes")
     return PREFIX_BYTES + body_len + HEADER_DIGEST_BYTES
 
 
@@ -132,48 +144,93 @@ def _get(d: dict, key: str, kind: type | tuple[type, ...]) -> Any:
     value = d.get(key)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise FormatError(f"header field {key!r} missing or not {getattr(kind, '__name__', kind)}")
-    if isinstance(value, int) and value < 0:
-        raise FormatError(f"header field {key!r} is negative")
+    if isinstance(value, int) and not 0 <= value <= MAX_INT:
+        raise FormatError(f"header field {key!r} is negative or beyond a signed 64-bit integer")
     return value
 
 
-def _stream(d: dict, data_bytes: int, what: str) -> Stream:
+def _stream(d: dict, at: int, what: str) -> Stream:
+    """A stream that starts where the previous one ended (the data region is their concatenation)."""
     s = Stream(_get(d, "offset", int), _get(d, "length", int), _get(d, "raw_length", int))
-    if s.offset + s.length > data_bytes:
-        raise FormatError(f"{what} lies beyond the data region")
+    if s.offset != at or s.length == 0:
+        raise FormatError(f"{what} is not the next non-empty slice of the data region (offset {at})")
     return s
 
 
-def _parse(body: bytes) -> PatchHeader:
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        raise FormatError("header repeats a key")  # readers could disagree on which one counts
+    return d
+
+
+def _refuse_constant(name: str) -> Any:
+    raise FormatError(f"header holds {name}, which is not JSON")
+
+
+def _check_utf8(value: Any) -> None:
+    """Every string (keys too) must be encodable as UTF-8: no lone surrogates from \\u escapes."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise FormatError(f"header string is not valid Unicode: {e.reason}") from e
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def _load_json(body: bytes) -> dict:
     try:
-        d = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"header is not JSON: {e}") from e
+        text = body.decode("utf-8")  # json.loads(bytes) would also accept UTF-16 and UTF-32
+        d = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise FormatError(f"header is not UTF-8 JSON: {type(e).__name__}: {e}") from e
+    _check_utf8(d)
     if not isinstance(d, dict) or d.get("format") != "sparsecast-patch":
         raise FormatError("header is not a sparsecast patch header")
+    return d
+
+
+def _fingerprint(d: dict, key: str) -> str:
+    value = _get(d, key, str)
+    if not _FINGERPRINT.fullmatch(value):
+        raise FormatError(f"header field {key!r} is not a {FINGERPRINT_PREFIX} fingerprint")
+    return value
+
+
+def _parse(body: bytes) -> PatchHeader:
+    """Check everything docs/patch-format.md §2 requires of a header, as a strict reader would."""
+    d = _load_json(body)
     data_bytes = _get(d, "data_bytes", int)
     header = PatchHeader(
         run=_get(d, "run", str), base_version=_get(d, "base_version", int),
-        base_fingerprint=_get(d, "base_fingerprint", str), target_version=_get(d, "target_version", int),
-        target_fingerprint=_get(d, "target_fingerprint", str), dense_bytes=_get(d, "dense_bytes", int),
+        base_fingerprint=_fingerprint(d, "base_fingerprint"), target_version=_get(d, "target_version", int),
+        target_fingerprint=_fingerprint(d, "target_fingerprint"), dense_bytes=_get(d, "dense_bytes", int),
         numel=_get(d, "numel", int), changed=_get(d, "changed", int), chunk_bytes=_get(d, "chunk_bytes", int),
     )
-    names = set()
+    at = 0  # streams tile the data region in tensor order: index, payload, next tensor's index, ...
     for t in _get(d, "tensors", list):
         if not isinstance(t, dict):
             raise FormatError("tensor entry is not an object")
         shape = _get(t, "shape", list)
-        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
-            raise FormatError("tensor shape must be a list of non-negative integers")
+        if not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_INT for n in shape):
+            raise FormatError("tensor shape must be a list of non-negative 64-bit integers")
+        name = _get(t, "name", str)
+        index = _stream(_get(t, "index", dict), at, f"{name}: index stream")
+        payload = _stream(_get(t, "payload", dict), index.offset + index.length, f"{name}: payload stream")
+        at = payload.offset + payload.length
         entry = TensorEntry(
-            name=_get(t, "name", str), shape=tuple(shape), dtype=_get(t, "dtype", str),
-            encoding=_get(t, "encoding", str), count=_get(t, "count", int),
-            index=_stream(_get(t, "index", dict), data_bytes, "index stream"),
-            payload=_stream(_get(t, "payload", dict), data_bytes, "payload stream"),
+            name=name, shape=tuple(shape), dtype=_get(t, "dtype", str), encoding=_get(t, "encoding", str),
+            count=_get(t, "count", int), index=index, payload=payload,
         )
-        if entry.name in names:
-            raise FormatError(f"tensor {entry.name!r} appears twice")
-        names.add(entry.name)
+        if header.tensors and not header.tensors[-1].name < entry.name:
+            raise FormatError(f"tensor {entry.name!r} is out of name order or repeated")
         if entry.dtype not in WIDTHS or entry.encoding not in ("values", "bitdelta"):
             raise FormatError(f"{entry.name}: unknown dtype {entry.dtype!r} or encoding {entry.encoding!r}")
         if not 0 < entry.count <= prod(entry.shape):
@@ -183,13 +240,26 @@ def _parse(body: bytes) -> PatchHeader:
         if not entry.count <= entry.index.raw_length <= 9 * entry.count:
             raise FormatError(f"{entry.name}: index size does not match count")
         header.tensors.append(entry)
+    if at != data_bytes:
+        raise FormatError(f"the streams cover {at} bytes of a data region of {data_bytes}")
+    if header.changed != sum(t.count for t in header.tensors):
+        raise FormatError(f"changed={header.changed} is not the sum of the tensors' counts")
+    if not header.tensors and header.base_fingerprint != header.target_fingerprint:
+        raise FormatError("an empty patch must have equal base and target fingerprints")
+    if header.chunk_bytes == 0:
+        raise FormatError("chunk_bytes must be positive")
     expected = 0
     for c in _get(d, "chunks", list):
         if not isinstance(c, dict):
             raise FormatError("chunk entry is not an object")
         chunk = Chunk(_get(c, "offset", int), _get(c, "length", int), _get(c, "sha256", str))
-        if chunk.offset != expected or chunk.length == 0:
+        # Chunks are consecutive slices of chunk_bytes; only the last one may be shorter.
+        if chunk.offset != expected or not 0 < chunk.length <= header.chunk_bytes:
             raise FormatError("chunk table does not tile the data region")
+        if header.chunks and header.chunks[-1].length != header.chunk_bytes:
+            raise FormatError("only the last chunk may be shorter than chunk_bytes")
+        if not _SHA256.fullmatch(chunk.sha256):
+            raise FormatError("chunk sha256 is not 64 lower-case hex digits")
         expected += chunk.length
         header.chunks.append(chunk)
     if expected != data_bytes:

@@ -31,15 +31,44 @@ def save_snapshot(state: Mapping[str, torch.Tensor], *, run: str, version: int) 
     return save(host, metadata=meta)
 
 
-def snapshot_info(data: bytes) -> SnapshotInfo:
-    """Run, version and fingerprint from a snapshot's safetensors header (tensors not read)."""
-    if len(data) < 8:
-        raise TruncatedPatchError("snapshot shorter than its 8-byte header length")
-    (n,) = struct.unpack("<Q", data[:8])
-    if len(data) < 8 + n:
+# safetensors' own cap on its JSON header: a larger length field is corrupt, not a big model.
+MAX_SNAPSHOT_HEADER_BYTES = 100_000_000
+
+
+def snapshot_header_size(prefix: bytes | bytearray) -> int:
+    """Bytes up to the end of the safetensors JSON header, from the first 9 bytes of a snapshot,
+    so that a reader (or a registry taking an upload) refuses junk before reading more."""
+    if len(prefix) < 9:
+        raise TruncatedPatchError("need 9 bytes to read a snapshot's header length")
+    (n,) = struct.unpack("<Q", bytes(prefix[:8]))
+    if n > MAX_SNAPSHOT_HEADER_BYTES:
+        raise FormatError(f"snapshot header length {n} exceeds {MAX_SNAPSHOT_HEADER_BYTES}")
+    if prefix[8] != ord("{"):
+        raise FormatError("not a safetensors file (its header is not a JSON object)")
+    return 8 + n
+
+
+def snapshot_size(head: bytes | bytearray) -> int:
+    """The file size a snapshot's header declares (header + the end of the last tensor's data),
+    from its first snapshot_header_size() bytes."""
+    size = snapshot_header_size(head)
+    if len(head) < size:
         raise TruncatedPatchError("snapshot shorter than its header")
     try:
-        meta = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
+        entries = json.loads(bytes(head[8:size]).decode("utf-8"))
+        ends = [int(v["data_offsets"][1]) for k, v in entries.items() if k != "__metadata__"]
+    except (ValueError, KeyError, AttributeError, TypeError, IndexError, RecursionError) as e:
+        raise FormatError(f"snapshot header does not parse: {type(e).__name__}: {e}") from e
+    return size + max(ends, default=0)
+
+
+def snapshot_info(data: bytes) -> SnapshotInfo:
+    """Run, version and fingerprint from a snapshot's safetensors header (tensors not read)."""
+    size = snapshot_header_size(data)
+    if len(data) < size:
+        raise TruncatedPatchError("snapshot shorter than its header")
+    try:
+        meta = json.loads(data[8:size]).get("__metadata__") or {}
         return SnapshotInfo(meta["sparsecast.run"], int(meta["sparsecast.version"]), meta["sparsecast.fingerprint"])
     except (ValueError, KeyError, AttributeError, TypeError) as e:
         raise FormatError(f"not a sparsecast snapshot: {e}") from e

@@ -27,6 +27,7 @@ from shared.tasks.base import Task, positional_credit
 
 _PROMPT = re.compile(r"^add (\d+)\+(\d+)\n$")
 _FINAL = re.compile(r"^=(\d+)$")
+_SUM = re.compile(r"[0-9]+")
 
 
 class AdditionTask(Task):
@@ -69,6 +70,10 @@ class AdditionTask(Task):
             carry = s // 10
         lines.append(f"={answer}")
         return "\n".join(lines)
+
+    def check_answer(self, answer: str | None) -> None:
+        if answer is None or not _SUM.fullmatch(answer):
+            raise ValueError(f"an addition answer is the sum's digits, e.g. '579'; got {answer!r:.40}")
 
     def reward(self, completion: str, answer: str) -> tuple[float, bool]:
         """1 for the exact sum; half credit per matching digit (right-aligned) otherwise; 0 if unparsable."""

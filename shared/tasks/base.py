@@ -25,6 +25,11 @@ class Task(ABC):
     def reward(self, completion: str, answer: str) -> tuple[float, bool]:
         """(reward in [0, 1], exactly correct)."""
 
+    @abstractmethod
+    def check_answer(self, answer: str | None) -> None:
+        """Raise ValueError unless reward() can score completions against `answer`. The trainer
+        checks every prompt when it is submitted, so a bad answer never reaches a worker."""
+
     def demonstration(self, prompt: str, answer: str) -> str:
         """A reference completion (no EOS) for supervised warm-start; synthetic tasks only."""
         raise NotImplementedError(f"task {self.name!r} has no reference completions")

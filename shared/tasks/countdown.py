@@ -88,6 +88,9 @@ class CountdownTask(Task):
             raise ValueError(f"no solution for {answer!r}")
         return "\n".join(steps)
 
+    def check_answer(self, answer: str | None) -> None:
+        _parse_answer(answer)
+
     def reward(self, completion: str, answer: str) -> tuple[float, bool]:
         """1 for a valid derivation of the target that uses every number once; else 0."""
         numbers, target = _parse_answer(answer)
@@ -106,8 +109,8 @@ class CountdownTask(Task):
         return (1.0, True) if ok else (0.0, False)
 
 
-def _parse_answer(answer: str) -> tuple[list[int], int]:
-    m = _ANSWER.match(answer.strip())
-    if m is None:
-        raise ValueError(f"countdown answer must look like '3 7 25 -> 46', got {answer!r}")
+def _parse_answer(answer: str | None) -> tuple[list[int], int]:
+    m = _ANSWER.match(answer.strip()) if isinstance(answer, str) else None
+    if m is None or not m.group(1).split():
+        raise ValueError(f"a countdown answer looks like '3 7 25 -> 46'; got {answer!r:.40}")
     return [int(v) for v in m.group(1).split()], int(m.group(2))

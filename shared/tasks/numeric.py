@@ -86,6 +86,10 @@ class NumericAnswerTask(Task):
         # Cycle through a fixed shuffle so n may exceed the file size without clustering repeats.
         return [rows[order[i % len(rows)]] for i in range(n)]
 
+    def check_answer(self, answer: str | None) -> None:
+        if answer is None or parse_number(answer) is None:
+            raise ValueError(f"a gsm8k answer holds a number (after '####' if present); got {answer!r:.40}")
+
     def reward(self, completion: str, answer: str) -> tuple[float, bool]:
         """1 when the completion's final number equals the answer numerically; else 0."""
         got, want = parse_number(completion), parse_number(answer)

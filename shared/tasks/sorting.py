@@ -7,8 +7,11 @@
 from __future__ import annotations
 
 import random
+import re
 
 from shared.tasks.base import Task, positional_credit
+
+_SORTED = re.compile(r"[0-9]+( [0-9]+)*")
 
 
 class SortingTask(Task):
@@ -31,6 +34,10 @@ class SortingTask(Task):
 
     def demonstration(self, prompt: str, answer: str) -> str:
         return answer
+
+    def check_answer(self, answer: str | None) -> None:
+        if answer is None or not _SORTED.fullmatch(answer):
+            raise ValueError(f"a sorting answer is the numbers separated by single spaces, e.g. '3 7 19'; got {answer!r:.40}")
 
     def reward(self, completion: str, answer: str) -> tuple[float, bool]:
         """1 for the exact sorted list; half credit per matching position otherwise; 0 if unparsable."""

@@ -126,6 +126,29 @@ def test_always_on_services_never_depend_on_profiled_ones() -> None:
             assert not services[target].get("profiles"), f"{name} (always on) depends on profiled {target}"
 
 
+def test_published_ports_bind_the_hosts_loopback_only() -> None:
+    # The committed env file holds a public demo token: nothing may be published beyond loopback.
+    published = 0
+    for name, service in load_compose()["services"].items():
+        for port in service.get("ports", []):
+            host_ip = port.get("host_ip") if isinstance(port, dict) else str(port).rsplit(":", 2)[0]
+            assert host_ip == "127.0.0.1", f"{name} publishes {port} beyond loopback"
+            published += 1
+    assert published >= 3  # registry, trainer, MinIO console
+
+
+def test_every_sparsecast_container_gets_the_token_from_an_env_file() -> None:
+    # The images listen on 0.0.0.0 and the services refuse that without a token.
+    demo = (ROOT / "deploy" / "env" / "sparsecast.env").read_text()
+    assert re.search(r"^SPARSECAST_API_TOKEN=\S+", demo, re.M)
+    for name, service in load_compose()["services"].items():
+        if "services." not in " ".join(map(str, service.get("command", []))):
+            continue
+        paths = [e["path"] if isinstance(e, dict) else e for e in service.get("env_file", [])]
+        assert "deploy/env/sparsecast.env" in paths, name
+        assert "SPARSECAST_API_TOKEN" not in service.get("environment", {}), f"{name}: token in compose.yaml"
+
+
 def test_every_sparsecast_service_is_health_checked() -> None:
     for name, service in load_compose()["services"].items():
         if "restart" in service and service["restart"] == "no":
@@ -215,6 +238,8 @@ def test_docker_compose_resolves_secrets_from_env_files() -> None:
     services = json.loads(resolved.stdout)["services"]
     for name in ("registry", "trainer", "rollout", "demo-submit"):
         assert services[name]["environment"]["SPARSECAST_API_TOKEN"], name
+    for name in ("registry", "trainer", "minio"):
+        assert {p["host_ip"] for p in services[name]["ports"]} == {"127.0.0.1"}, name
     assert services["registry"]["environment"]["SPARSECAST_STORE_URL"].startswith("s3://")
     assert services["minio"]["environment"]["MINIO_ROOT_PASSWORD"] == (
         services["registry"]["environment"]["SPARSECAST_S3_SECRET_ACCESS_KEY"]

@@ -109,6 +109,10 @@ def check_manifests(docs: list[dict], *, gpu: bool) -> None:
         assert container["readinessProbe"]["httpGet"]["path"] == "/readyz", name
         assert container["startupProbe"]["httpGet"]["path"] == "/healthz", name
         assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+        # The images listen on 0.0.0.0, where a service refuses to start without a token: each
+        # takes it from the Secret, never from a literal in the manifest.
+        token = next(e for e in container["env"] if e["name"] == "SPARSECAST_API_TOKEN")
+        assert token["valueFrom"]["secretKeyRef"]["key"] == "SPARSECAST_API_TOKEN" and "value" not in token, name
 
     _, rollout = services["rollout"]
     limits = rollout["resources"].get("limits", {})
@@ -214,6 +218,22 @@ def test_chart_templates_only_use_values_that_exist() -> None:
             for key in path.rstrip(".").split("."):
                 assert isinstance(node, dict) and key in node, f"{template.name}: .Values.{path}"
                 node = node[key]
+
+
+def test_chart_takes_the_api_token_from_a_secret_generated_if_not_given() -> None:
+    # Static checks of the templates (helm is not on these machines to render them).
+    templates = {p.name: p.read_text() for p in (CHART / "templates").glob("*.yaml")}
+    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
+    for name in SERVICES:
+        env = re.search(r'include "sparsecast.env" \(list \. ([^)]*)\)', templates[f"{name}.yaml"])
+        assert env and '"SPARSECAST_API_TOKEN"' in env.group(1), name
+        assert "SPARSECAST_API_TOKEN" not in templates[f"{name}.yaml"].replace(env.group(0), ""), name
+    assert "secretKeyRef" in helpers.split('define "sparsecast.env"')[1]
+    secret = templates["secret.yaml"]
+    assert re.search(r'SPARSECAST_API_TOKEN: \{\{ \.Values\.auth\.apiToken \| default \(include "sparsecast\.generated"', secret)
+    generated = helpers.split('define "sparsecast.generated"')[1].split("{{- end }}\n{{- end }}")[0]
+    assert "randAlphaNum 32" in generated and "lookup" in generated  # random, and kept across upgrades
+    assert load_values()["auth"] == {"apiToken": "", "existingSecret": ""}
 
 
 def test_chart_renders_both_images_and_every_service() -> None:

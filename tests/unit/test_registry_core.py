@@ -5,11 +5,15 @@ from __future__ import annotations
 import pytest
 
 from services.registry.core import (
+    MAX_MODEL_FILE_BYTES,
     BadRange,
     Conflict,
     Invalid,
     NotFound,
     Registry,
+    RegistryError,
+    TooLarge,
+    UploadCheck,
     parse_range,
     piece_hashes,
 )
@@ -191,3 +195,76 @@ def test_piece_hashes_cover_the_object() -> None:
     hashes = piece_hashes(data, 4096)
     assert len(hashes) == 3 and len(set(hashes)) == 3
     assert piece_hashes(data, len(data)) == piece_hashes(data, 1 << 20)
+
+
+def _feed(check: UploadCheck, data: bytes, piece: int = 7) -> None:
+    for i in range(0, len(data), piece):
+        check.feed(data[i : i + piece])
+
+
+def test_uploads_are_checked_as_they_stream_in(chain: Chain) -> None:
+    patch, snapshot = chain.patches[1], chain.snapshot(0)
+    for kind, body in (("patch", patch), ("snapshot", snapshot), ("model", b' {"a": 1}')):
+        check = UploadCheck(kind, 1 << 30, len(body))
+        _feed(check, body)
+        assert check.finish() == body and check.expected in (len(body), None)
+    # Junk is refused within its first bytes, whatever length it claims.
+    for kind, junk, needle in (("patch", b"SCPATCH\1", "bad magic"), ("patch", b"X", "bad magic"),
+                               ("snapshot", b"\x10" + bytes(7) + b"[", "safetensors"),
+                               ("model", b"  [1, 2]", "JSON object")):
+        check = UploadCheck(kind, 1 << 40, 300 << 20 if kind != "model" else MAX_MODEL_FILE_BYTES)
+        with pytest.raises(Invalid, match=needle):
+            _feed(check, junk, 1)
+    # A body longer or shorter than its header declares.
+    with pytest.raises(Invalid, match="longer than"):
+        _feed(UploadCheck("patch", 1 << 30), patch + b"\0")
+    with pytest.raises(Invalid, match="Content-Length"):
+        _feed(UploadCheck("patch", 1 << 30, len(patch) + 5), patch)
+    short = UploadCheck("patch", 1 << 30)
+    _feed(short, patch[:-3])
+    with pytest.raises(Invalid, match="truncated"):
+        short.finish()
+    # Limits: declared, streamed, and the size a header declares.
+    with pytest.raises(TooLarge):
+        UploadCheck("patch", 100, 101)
+    with pytest.raises(TooLarge):
+        UploadCheck("model", 1 << 40, MAX_MODEL_FILE_BYTES + 1)
+    with pytest.raises(TooLarge):
+        _feed(UploadCheck("model", 10), b"{" + b" " * 20)
+    with pytest.raises(TooLarge, match="patch of"):
+        _feed(UploadCheck("patch", len(patch) - 1), patch[:-1])
+    with pytest.raises(RegistryError, match="empty"):
+        UploadCheck("patch", 100).finish()
+
+
+async def test_plans_without_build_merges_write_nothing_and_publish_builds_them(chain: Chain) -> None:
+    registry = new_registry()
+    await publish(registry, chain, 4)
+    await registry.idle()
+    before = {o.key for o in await registry.storage.list(f"{RUN}/")}
+    assert (await registry.plan(RUN, 1, None, build_merges=False)).kind == "chain"
+    assert (await registry.plan(RUN, None, None, build_merges=False)).kind == "snapshot"
+    assert {o.key for o in await registry.storage.list(f"{RUN}/")} == before
+    await registry.publish_patch(RUN, 5, chain.patches[5], {})
+    await registry.idle()
+    keys = {o.key for o in await registry.storage.list(f"{RUN}/merged/")}
+    # The lag wanted (4 − 1 = 3) ends at the new head: 2→5; and snapshot 0 → head for fresh workers.
+    assert keys == {f"{RUN}/merged/{a}-5.{ext}" for a in (0, 2) for ext in ("patch", "json")}
+    assert (await registry.plan(RUN, 2, None, build_merges=False)).kind == "merged"
+    # Wishes expire; at most max_publish_merges are built per publish.
+    quiet = new_registry(merge_demand_s=0)
+    await publish(quiet, chain, 4)
+    await quiet.idle()
+    await quiet.plan(RUN, 1, None, build_merges=False)
+    await quiet.publish_patch(RUN, 5, chain.patches[5], {})
+    await quiet.idle()
+    assert not await quiet.storage.list(f"{RUN}/merged/")
+    capped = new_registry(max_publish_merges=1)
+    await publish(capped, chain, 5)
+    await capped.idle()
+    for a in (1, 2):
+        await capped.plan(RUN, a, None, build_merges=False)
+    await capped.publish_patch(RUN, 6, chain.patches[6], {})
+    await capped.idle()
+    # Lags 4 and 3 were wanted, lag 3 last: only 3→6 is built.
+    assert [o.key for o in await capped.storage.list(f"{RUN}/merged/")] == [f"{RUN}/merged/3-6.json", f"{RUN}/merged/3-6.patch"]

@@ -27,6 +27,32 @@ def test_prompts_deterministic_and_demonstrations_earn_full_reward(name):
         assert len(demo) + 1 <= task.max_new_tokens  # + EOS fits the generation budget
 
 
+@pytest.mark.parametrize("name", ["addition", "sorting", "countdown"])
+def test_generated_answers_pass_the_submission_check(name):
+    task = get_task(name)
+    for _, answer in task.make_prompts(50, seed=1):
+        task.check_answer(answer)
+
+
+@pytest.mark.parametrize(
+    ("name", "good", "bad"),
+    [
+        ("addition", ["579", "0"], [None, "", "five", "5 79", "-3", "٣"]),
+        ("sorting", ["3 7 19", "5"], [None, "", "3,7", "3  7", " 3 7", "a b"]),
+        ("countdown", ["3 7 25 -> 46", " 1 2 -> 3 "], [None, "46", "", " -> 46", "3 7 25 => 46", "3 7 -> x"]),
+        ("gsm8k", ["72", "so #### 1,000", "$3.50"], [None, "", "none", "#### n/a"]),
+    ],
+)
+def test_answers_a_task_cannot_score_are_refused(name, good, bad):
+    task = get_task(name)
+    for answer in good:
+        task.check_answer(answer)
+        task.reward("anything", answer)  # what the check accepts, the reward can score
+    for answer in bad:
+        with pytest.raises(ValueError):
+            task.check_answer(answer)
+
+
 def test_addition_scratchpad_format_and_length():
     task = get_task("addition")
     assert task.demonstration("add 345+678\n", "1023") == "5+8+0=13\n4+7+1=12\n3+6+1=10\n=1023"
