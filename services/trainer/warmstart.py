@@ -67,6 +67,11 @@ class WarmstartRecipe(BaseModel):
     # reaches this, checked every `check_every` steps: RL wants a *partial* warm start.
     sampled_target: float | None = None
     check_every: int = 250
+    # Sparsity-aware warm start: this share of the SFT examples lets every completion token attend
+    # only to the prompt and the last `local_window` completion tokens, so the model learns not to
+    # lean on context that a KV budget evicts (0: plain dense SFT).
+    local_attention: float = Field(default=0.0, ge=0.0, le=1.0)
+    local_window: int = Field(default=16, ge=1)
 
     def fingerprint(self) -> str:
         """Hash of everything that determines the weights: recipe, vocab, code version."""
@@ -96,19 +101,33 @@ def _seed_everything(recipe: WarmstartRecipe) -> None:
     torch.use_deterministic_algorithms(True, warn_only=recipe.device != "cpu")
 
 
-def _sft_batch(examples: list[tuple[str, str]], tokenizer: PreTrainedTokenizerFast) -> dict[str, torch.Tensor]:
-    """Right-padded BOS+prompt+completion+EOS; labels only on completion and EOS."""
-    rows, labels = [], []
+def _sft_batch(examples: list[tuple[str, str]], tokenizer: PreTrainedTokenizerFast,
+               local: list[bool] | None = None, window: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded BOS+prompt+completion+EOS; labels only on completion and EOS.
+
+    Rows marked in `local` get a 4-D attention mask under which a completion token sees the prompt
+    and only the last `window` completion tokens (itself included).
+    """
+    rows, labels, prompt_lengths = [], [], []
     for prompt, completion in examples:
         p = tokenizer(prompt)["input_ids"]  # starts with BOS
         c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rows.append(p + c)
         labels.append([-100] * len(p) + c)
+        prompt_lengths.append(len(p))
     width = max(map(len, rows))
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
     label_ids = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])
-    return {"input_ids": input_ids, "attention_mask": (input_ids != pad).long(), "labels": label_ids}
+    attention: torch.Tensor = (input_ids != pad).long()
+    if local is not None and any(local):
+        q = torch.arange(width)[:, None]
+        k = torch.arange(width)[None, :]
+        prompt = torch.tensor(prompt_lengths)[:, None, None]
+        span = torch.tensor([window if flag else width for flag in local])[:, None, None]
+        allowed = (k <= q) & (attention.bool()[:, None, :] | (k == q)) & ((k < prompt) | (k > q - span))
+        attention = allowed[:, None]  # [B, 1, T, T]
+    return {"input_ids": input_ids, "attention_mask": attention, "labels": label_ids}
 
 
 def _sample_examples(tasks: dict[str, Task], mix: dict[str, float], n: int, rng: random.Random) -> list[tuple[str, str]]:
@@ -174,7 +193,9 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
     for step in range(recipe.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
-        batch = _sft_batch(_sample_examples(tasks, recipe.task_mix, recipe.batch_size, rng), tokenizer)
+        examples = _sample_examples(tasks, recipe.task_mix, recipe.batch_size, rng)
+        local = [rng.random() < recipe.local_attention for _ in examples] if recipe.local_attention else None
+        batch = _sft_batch(examples, tokenizer, local, recipe.local_window)
         loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
