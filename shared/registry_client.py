@@ -36,6 +36,7 @@ import httpx
 import torch
 from pydantic import BaseModel
 
+from shared.coord.keys import Keys
 from shared.patch import PatchError, apply_patch, load_snapshot
 
 log = logging.getLogger(__name__)
@@ -563,7 +564,7 @@ class RegistryClient:
             try:
                 redis_client = aioredis.Redis.from_url(self.redis_url)
                 pubsub = redis_client.pubsub()
-                await pubsub.subscribe(f"{self.redis_prefix}:versions")
+                await pubsub.subscribe(Keys(self.redis_prefix, self.run).versions_channel)
                 poll_s = max(poll_s, 5.0)  # announcements wake us; polling is only the safety net
             except Exception as exc:  # noqa: BLE001 - any Redis trouble means: poll instead
                 log.warning("version announcements unavailable (%s); polling", exc)

@@ -98,7 +98,7 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
             tasks.append(asyncio.create_task(state["sync"].run(stop)))
         if settings.redis_url:
             redis = aioredis.Redis.from_url(settings.redis_url)
-            coord = Coordinator(redis, settings.redis_prefix, settings.coord)
+            coord = Coordinator(redis, settings.redis_prefix, settings.coord, run=settings.run)
             state["worker"] = RolloutWorker(state["core"], coord, settings, state["sync"])
             tasks.append(asyncio.create_task(state["worker"].run(stop)))
         try:

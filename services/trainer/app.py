@@ -94,7 +94,7 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redis = aioredis.Redis.from_url(settings.redis_url)
-        coord = Coordinator(redis, settings.redis_prefix, settings.coord)
+        coord = Coordinator(redis, settings.redis_prefix, settings.coord, run=settings.run)
         client = RegistryClient(settings.registry_url, settings.run, token=token)
         state["coord"], state["registry"] = coord, client
         stop = asyncio.Event()
