@@ -52,6 +52,12 @@ class TrainerSettings(BaseSettings):
     checkpoint_every: int = Field(default=10, ge=0, description="steps between automatic checkpoints; 0 = off")
     snapshot_every: int = Field(default=0, ge=0, description="trainer-side snapshots; the registry also makes them")
     seed: int = 0
+    # Faults (docs/coordination.md): how often the trainer checks that every submitted group is
+    # queued, in flight, trained or dead-lettered, and queues again what Redis lost; and how long
+    # its step loop may go without progress before /healthz reports it stuck (a step on a large
+    # model, or the first warm start, must fit in it).
+    reconcile_every_s: float = Field(default=15.0, gt=0)
+    stall_s: float = Field(default=600.0, gt=0)
     # Default task for POST /v1/prompts with generated prompts.
     default_task: str = "addition"
     samples_per_prompt: int = Field(default=8, ge=1)

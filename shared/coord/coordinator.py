@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import ResponseError
 
 from shared.coord import scripts
@@ -43,9 +45,11 @@ CONNECT_TIMEOUT_S = 5.0
 
 def connect(url: str) -> aioredis.Redis:
     """The Redis client every service uses for coordination: bounded connect and read times, so a
-    vanished Redis surfaces as an error the caller retries instead of a call that hangs."""
+    vanished Redis surfaces as an error instead of a call that hangs, and no retries inside the
+    client: the services' loops retry (shared.retry), so every dropped connection is seen, logged
+    once per outage and counted, in one place."""
     return aioredis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=CONNECT_TIMEOUT_S,
-                                   health_check_interval=30)
+                                   retry=Retry(NoBackoff(), 0))
 
 
 def lost_streams(exc: BaseException) -> bool:
@@ -90,7 +94,13 @@ class Coordinator:
     async def _recreate_streams(self, exc: BaseException) -> None:
         self.stream_resets += 1
         log.warning("run %s: streams or consumer groups gone (%s); creating them again", self.keys.base, exc)
+        await self.reset()
+
+    async def reset(self) -> None:
+        """Create the streams and groups again (after Redis lost them) and re-read any trajectories
+        still pending for the trainer."""
         self._ready = False
+        self._trainer_backlog = True
         await self.setup()
 
     async def _guarded(self, call: Callable[[], Awaitable[T]]) -> T:
