@@ -111,7 +111,7 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
         redis = connect(settings.redis_url)
         coord = Coordinator(redis, settings.redis_prefix, settings.coord, run=settings.run)
         client = RegistryClient(settings.registry_url, settings.run, token=token, retries=REGISTRY_RETRIES)
-        ledger = await asyncio.to_thread(GroupLedger.in_dir, settings.data_dir)
+        ledger = await asyncio.to_thread(GroupLedger.in_dir, settings.data_dir, settings.run)
         state["coord"], state["registry"], state["ledger"] = coord, client, ledger
         stop = asyncio.Event()
 

@@ -121,7 +121,7 @@ class Trainer:
         self.last_error: str | None = None
         self._publish_task: asyncio.Task | None = None
         self._pending: list[Trajectory] = []  # collected when a pause came; trained after resume
-        self.ledger = ledger or GroupLedger.in_dir(self.data_dir)
+        self.ledger = ledger or GroupLedger.in_dir(self.data_dir, settings.run)
         self._ledger_existed = self.ledger.existed
         self.held: set[str] = set()  # groups whose trajectories the trainer holds, not yet published
         self.requeued = 0  # groups queued again because Redis no longer held them

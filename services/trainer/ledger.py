@@ -27,9 +27,9 @@ LEDGER_FILE = "groups.jsonl"  # in the trainer's data dir
 
 
 class GroupLedger:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, run: str) -> None:
         self.path = path
-        self.existed = path.is_file()  # False: a new run (its Redis keys are expected to be absent)
+        self.run = run
         self.epoch: str | None = None  # this trainer's token in Redis: a missing key = lost data
         self.open: dict[str, PromptGroup] = {}  # submitted, neither trained nor dead yet
         self.trained: set[str] = set()
@@ -37,15 +37,26 @@ class GroupLedger:
         # Submissions and reconciliation exclude each other: a group recorded here but not yet
         # enqueued must not look lost.
         self.lock = asyncio.Lock()
-        if path.is_file():
+        if path.is_file() and self._run_of_file() not in (run, None):
+            # The data dir was reused for another run: that run's record is kept aside, not mixed in.
+            path.rename(path.with_name(f"{path.name}.{self._run_of_file()}"))
+        self.existed = path.is_file()  # False: a new run (its Redis keys are expected to be absent)
+        if self.existed:
             self._load()
         if self.epoch is None:
             self.epoch = secrets.token_hex(8)
-            self._append([{"epoch": self.epoch}])
+            self._append([{"epoch": self.epoch, "run": run}])
 
     @classmethod
-    def in_dir(cls, data_dir: str | Path) -> GroupLedger:
-        return cls(Path(data_dir) / LEDGER_FILE)
+    def in_dir(cls, data_dir: str | Path, run: str) -> GroupLedger:
+        return cls(Path(data_dir) / LEDGER_FILE, run)
+
+    def _run_of_file(self) -> str | None:
+        with self.path.open() as f:
+            try:
+                return json.loads(f.readline()).get("run")
+            except json.JSONDecodeError:
+                return None
 
     def _load(self) -> None:
         with self.path.open() as f:

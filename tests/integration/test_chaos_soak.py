@@ -46,7 +46,7 @@ TOKEN = "soak-token"
 STEPS = 60
 GROUPS_PER_STEP = 4
 SAMPLES = 4
-MAX_NEW_TOKENS = 32
+MAX_NEW_TOKENS = 64
 FAULT_EVERY_S = (8.0, 12.0)  # "about every 10 s"
 # Prompts are fed as a live producer would: one step's worth every FEED_EVERY_S. The tiny model
 # trains a step in well under a second here, so without a feed the 60 steps would be over before
@@ -126,6 +126,10 @@ class Soak:
         self.registry_back_at: float | None = None
         self.registry_up_since = time.monotonic()
         self.poison_ids: list[str] = []
+        pairs = get_task("addition").make_prompts(STEPS * GROUPS_PER_STEP, seed=seed)
+        self.prompts = [{"id": f"g{i:04d}", "prompt": p, "answer": a} for i, (p, a) in enumerate(pairs)]
+        self.fed = 0  # prompts submitted so far
+        self.next_feed = 0.0
         self.health_failures: list[str] = []
         self.t0 = time.monotonic()
 
@@ -192,10 +196,12 @@ class Soak:
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
 
-    def draw(self) -> str:
+    def draw(self, exclude: str | None = None) -> str:
         """A uniform draw among the kinds possible now; kinds not injected yet go first, so each
-        kind shows up early in the run."""
-        possible = [k for k in KINDS if k != "registry_down" or self.registry_can_go_down()]
+        kind shows up early in the run. A worker holds leases only while work flows, which needs
+        the registry (a step waits for it), so worker kills wait for the registry to be up."""
+        possible = [k for k in KINDS if k != exclude and (k != "registry_down" or self.registry_can_go_down())
+                    and (k != "worker_kill" or self.registry_back_at is None)]
         seen = {f["kind"] for f in self.faults}
         fresh = [k for k in possible if k not in seen]
         return self.rng.choice(fresh or possible)
@@ -203,10 +209,13 @@ class Soak:
     def registry_can_go_down(self) -> bool:
         return self.registry_back_at is None and time.monotonic() - self.registry_up_since >= REGISTRY_UP_BETWEEN_S
 
-    def inject(self, kind: str, step: int) -> dict[str, Any]:
+    def inject(self, kind: str, step: int) -> dict[str, Any] | None:
         fault: dict[str, Any] = {"t": round(self.elapsed(), 1), "kind": kind, "step": step}
         if kind == "worker_kill":
-            fault |= self.kill_worker()
+            killed = self.kill_worker()
+            if killed is None:
+                return None
+            fault |= killed
         elif kind == "redis_client_kill":
             try:
                 fault["clients_killed"] = self.redis.kill_clients()
@@ -247,22 +256,26 @@ class Soak:
         finally:
             await client.aclose()
 
-    def kill_worker(self) -> dict[str, Any]:
-        """SIGKILL the worker holding the in-flight window (or the most of it within 10 s), then
-        start a replacement, as an orchestrator restarting the pod would."""
+    def kill_worker(self) -> dict[str, Any] | None:
+        """SIGKILL a worker while it holds leases, preferably the whole in-flight window, then start
+        a replacement, as an orchestrator restarting the pod would. Generation takes a fraction of
+        a second here, so the next step's prompts are fed now and the leases watched closely.
+        None when no worker held any lease within 10 s."""
+        if self.fed < len(self.prompts):
+            self.feed()
         deadline = time.monotonic() + 10
         best: tuple[int, str] | None = None
         while time.monotonic() < deadline:
-            pending = {w: n for w, n in self.pending_by_worker().items() if w in self.workers}
+            pending = {w: n for w, n in self.pending_by_worker().items() if w in self.workers and n > 0}
             if pending:
                 n, name = max((n, w) for w, n in pending.items())
-                if best is None or n > best[0]:
-                    best = (n, name)
-                if n >= WINDOW:
+                best = max(best, (n, name)) if best else (n, name)
+                if n >= WINDOW or time.monotonic() > deadline - 9:  # the window, or leases held for 1 s
                     break
-            time.sleep(0.05)
-        name = best[1] if best and best[0] > 0 else self.rng.choice(sorted(self.workers))
-        held = best[0] if best and best[1] == name else 0
+            time.sleep(0.01)
+        if best is None:
+            return None
+        held, name = best
         victim = self.workers.pop(name)
         victim.stop(signal.SIGKILL)
         self.retired.append(victim)
@@ -285,11 +298,9 @@ class Soak:
         self.start_trainer()
         self.start_worker()
         self.start_worker()
-        pairs = get_task("addition").make_prompts(STEPS * GROUPS_PER_STEP, seed=self.seed)
-        prompts = [{"id": f"g{i:04d}", "prompt": p, "answer": a} for i, (p, a) in enumerate(pairs)]
-        ids = [p["id"] for p in prompts]
-        fed = self.feed(prompts, 0, timeout=300)  # the first step's worth, once the trainer is up
-        next_feed = time.monotonic() + FEED_EVERY_S
+        ids = [p["id"] for p in self.prompts]
+        self.feed(timeout=300)  # the first step's worth, once the trainer is up
+        self.next_feed = time.monotonic() + FEED_EVERY_S
         started = time.monotonic()
         step_times: dict[int, float] = {}
         next_fault = time.monotonic() + self.rng.uniform(*FAULT_EVERY_S)
@@ -308,11 +319,12 @@ class Soak:
                 step_times.setdefault(status["version"] or 0, round(self.elapsed(), 1))
                 if status["version"] is not None and status["version"] >= STEPS:
                     break
-            if fed < len(prompts) and time.monotonic() >= next_feed:
-                fed = self.feed(prompts, fed)
-                next_feed = time.monotonic() + FEED_EVERY_S
+            if time.monotonic() >= self.next_feed:
+                self.feed()
             if time.monotonic() >= next_fault:
-                self.inject(self.draw(), step)
+                kind = self.draw()
+                if self.inject(kind, step) is None:  # no worker held leases: another kind instead
+                    self.inject(self.draw(exclude=kind), step)
                 next_fault = time.monotonic() + self.rng.uniform(*FAULT_EVERY_S)
             self.probe_liveness()
             time.sleep(0.5)
@@ -327,24 +339,26 @@ class Soak:
             time.sleep(0.5)
         return self.figures(ids, final, run_seconds, step_times, versions)
 
-    def feed(self, prompts: list[dict], fed: int, timeout: float = 0.0) -> int:
-        """Submit the next step's worth of prompts through the trainer's API; returns how many are
-        submitted now. A refusal (Redis down: 503) is tried again at the next feed."""
-        wave = prompts[fed: fed + GROUPS_PER_STEP]
+    def feed(self, timeout: float = 0.0) -> None:
+        """Submit the next step's worth of prompts through the trainer's API. A refusal (Redis down:
+        503) is tried again at the next feed."""
+        self.next_feed = time.monotonic() + FEED_EVERY_S
+        wave = self.prompts[self.fed: self.fed + GROUPS_PER_STEP]
         deadline = time.monotonic() + timeout
-        while True:
+        while wave:
             try:
                 r = httpx.post(f"{self.trainer_url}/v1/prompts", timeout=30,
                                headers={"Authorization": f"Bearer {TOKEN}"},
                                json={"task": "addition", "samples_per_prompt": SAMPLES, "prompts": wave})
                 if r.status_code == 200:
-                    return fed + len(wave)
+                    self.fed += len(wave)
+                    return
                 assert r.status_code in (503,), f"/v1/prompts answered {r.status_code}: {r.text}"
             except httpx.HTTPError:
                 pass
             self.check_processes()
             if time.monotonic() >= deadline:
-                return fed
+                return
             time.sleep(0.5)
 
     def probe_liveness(self) -> None:
@@ -399,6 +413,8 @@ class Soak:
             "head_version": status["version"],
             "wall_seconds": round(run_seconds, 1),
             "faults_by_kind": dict(Counter(f["kind"] for f in self.faults)),
+            "worker_kills_holding_the_whole_window": sum(
+                1 for f in self.faults if f["kind"] == "worker_kill" and f["leases_held"] >= WINDOW),
             "faults": self.faults,
             "groups_submitted": len(ids),
             "groups_trained": sum(1 for g in ids if trained[g] >= 1),
@@ -433,6 +449,8 @@ def check(figures: dict[str, Any]) -> None:
     assert figures["groups_trained"] == figures["groups_submitted"] and not figures["unknown_groups_trained"]
     assert set(figures["faults_by_kind"]) == set(KINDS), figures["faults_by_kind"]
     assert figures["poison_dead_lettered"] == figures["poison_groups"], figures["poison_reasons"]
+    kills = [f for f in figures["faults"] if f["kind"] == "worker_kill"]
+    assert kills and all(f["leases_held"] >= 1 for f in kills), kills
     assert all(v == figures["head_version"] for v in figures["worker_versions_at_end"].values())
     assert not figures["trainer_liveness_failures"], figures["trainer_liveness_failures"]
 
