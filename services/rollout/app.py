@@ -282,6 +282,7 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
         reasons = []
         if core is None or core.weights.version < 0:
             reasons.append(state["waiting"] or "loading the model")
+        reasons += liveness.problems()  # a dead or stuck loop cannot work either
         if state["redis"] is not None:
             try:
                 await asyncio.wait_for(state["redis"].ping(), timeout=PROBE_TIMEOUT_S)

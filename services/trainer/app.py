@@ -302,6 +302,7 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
             reasons.append(state["error"] or "starting: loading the model and publishing v0")
         elif state["error"]:
             reasons.append(state["error"])
+        reasons += health.liveness.problems()  # a dead or stuck loop cannot work either
         redis_error, registry_error = await asyncio.gather(
             _probe(state["coord"].redis.ping()), _probe(state["registry"].ping(PROBE_TIMEOUT_S)))
         if redis_error:

@@ -195,6 +195,7 @@ def test_liveness_fails_when_a_loop_dies_or_sticks(tmp_path: Path, tiny_model_di
         app.state.liveness.task("worker").cancel()
         r = wait_for(lambda: (r := get(f"{worker}/healthz")).status_code == 503 and r, 10, "a dead loop")
         assert "worker loop was cancelled" in r.json()["problems"]
+        assert "worker loop was cancelled" in get(f"{worker}/readyz").json()["reasons"]  # cannot work either
 
 
 async def _enqueue(redis_url: str, prefix: str, run: str, groups: list[PromptGroup]) -> None:
