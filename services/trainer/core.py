@@ -141,10 +141,6 @@ class Trainer:
     async def _registry(self, fn: Callable[[], Awaitable[T]]) -> T:
         return await self.health.registry.call(fn, self._stop, self.beat)
 
-    @property
-    def inflight_limit(self) -> int:
-        c = self.settings.coord
-        return max(1, c.max_lag - c.staleness_bound) * self.settings.groups_per_step
 
     # -- startup and resume --
 
@@ -301,7 +297,7 @@ class Trainer:
         """Restore the run's settings in Redis and queue again every submitted group that is in no
         stream and not held or trained here (lost by Redis, or dropped as stale). Returns those ids."""
         await self.coord.set_trainer_version(self.version)
-        await self.coord.set_inflight_limit(self.inflight_limit)
+        await self.coord.set_inflight_limit(self.settings.coord.inflight_limit(self.settings.groups_per_step))
         async with self.ledger.lock:
             candidates = self.ledger.unsettled(self.held)
             missing, dead = await self.coord.missing([g.id for g in candidates])

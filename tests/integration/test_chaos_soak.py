@@ -61,7 +61,7 @@ KINDS = ("worker_kill", "redis_client_kill", "redis_restart", "registry_down", "
 # Leases of a few seconds bring a killed worker's groups back quickly; max_attempts is high enough
 # that good groups survive several kills, and a poison group is dead-lettered after as many tries.
 COORD = CoordSettings(lease_ttl_s=3.0, max_attempts=8, base_claim=GROUPS_PER_STEP, max_claim=GROUPS_PER_STEP)
-WINDOW = max(1, COORD.max_lag - COORD.staleness_bound) * GROUPS_PER_STEP  # what the trainer sets
+WINDOW = COORD.inflight_limit(GROUPS_PER_STEP)  # what the trainer sets
 # The harness stays a fault injector: it never relies on the services being up to act.
 HTTP_TIMEOUT_S = 5.0
 
