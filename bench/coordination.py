@@ -38,6 +38,7 @@ from shared.coord import Coordinator, CoordSettings
 from shared.schemas import KVStats, PromptGroup, Sample, Trajectory
 
 TARGET_GROUPS_PER_S = 5000  # issue 4: coordination must never be the bottleneck
+RUN = "bench"
 
 
 def make_trajectory(group: PromptGroup, worker_id: str, attempt: int, samples: int, tokens: int) -> Trajectory:
@@ -51,7 +52,7 @@ def make_trajectory(group: PromptGroup, worker_id: str, attempt: int, samples: i
 async def _work(url: str, prefix: str, worker_id: str, mode: str, batch: int, samples: int, tokens: int,
                 go: Any) -> float:
     client = aioredis.from_url(url)
-    coord = Coordinator(client, prefix, CoordSettings(max_queue=1 << 30))
+    coord = Coordinator(client, prefix, CoordSettings(max_queue=1 << 30), run=RUN)
     await coord.setup()
     await client.ping()  # connection open before the clock starts
     while not go.is_set():
@@ -104,7 +105,7 @@ async def run_config(url: str, workers: int, mode: str, groups: int, batch: int,
                      tokens: int) -> dict[str, Any]:
     client = aioredis.from_url(url)
     prefix = f"bench-queue-{uuid.uuid4().hex[:8]}"
-    coord = Coordinator(client, prefix, CoordSettings(max_queue=1 << 30))
+    coord = Coordinator(client, prefix, CoordSettings(max_queue=1 << 30), run=RUN)
     procs: list[Any] = []
     try:
         payload = [PromptGroup(id=f"g{i}", task="addition", prompt=f"{i}+{i}=", answer=str(2 * i), samples=samples)

@@ -20,6 +20,7 @@ is verified; any verification failure falls back to the snapshot path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -36,6 +37,7 @@ import httpx
 import torch
 from pydantic import BaseModel
 
+from shared.coord.keys import Keys
 from shared.patch import PatchError, apply_patch, load_snapshot
 
 log = logging.getLogger(__name__)
@@ -281,7 +283,8 @@ class RegistryClient:
                 error = exc
             if attempt == self.retries:
                 raise error
-            log.info("%s failed (%s), retrying", what, error)
+            # debug: callers that ride out outages log those once (shared.retry)
+            log.debug("%s failed (%s), retrying", what, error)
             await self._backoff(attempt)
         raise AssertionError("unreachable")
 
@@ -323,6 +326,12 @@ class RegistryClient:
         return await self._retrying(action, f"PUT {suffix}")
 
     # -- reads --
+
+    async def ping(self, timeout_s: float = 2.0) -> None:
+        """Raise unless the registry says it is ready (its store answers) within timeout_s; one
+        try, for readiness probes."""
+        response = await self._http.get("/readyz", timeout=timeout_s)
+        self._raise_for(response)
 
     async def latest(self) -> Manifest | None:
         """The head manifest, or None while the run has no version."""
@@ -564,10 +573,10 @@ class RegistryClient:
             try:
                 redis_client = aioredis.Redis.from_url(self.redis_url)
                 pubsub = redis_client.pubsub()
-                await pubsub.subscribe(f"{self.redis_prefix}:versions")
+                await pubsub.subscribe(Keys(self.redis_prefix, self.run).versions_channel)
                 poll_s = max(poll_s, 5.0)  # announcements wake us; polling is only the safety net
             except Exception as exc:  # noqa: BLE001 - any Redis trouble means: poll instead
-                log.warning("version announcements unavailable (%s); polling", exc)
+                log.debug("version announcements unavailable (%s); polling", exc)
                 pubsub = None
         try:
             while True:
@@ -581,16 +590,24 @@ class RegistryClient:
                 if pubsub is None:
                     await asyncio.sleep(wait)
                     continue
-                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
+                try:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
+                except Exception as exc:  # noqa: BLE001 - Redis went away: poll for the rest of the wait
+                    log.debug("version announcements lost (%s); polling", exc)
+                    await pubsub.aclose()
+                    pubsub = None
+                    continue
                 if message is not None:
                     event = json.loads(message["data"])
                     if event.get("run") == self.run and event.get("version", -1) > after:
                         return int(event["version"])
         finally:
             if pubsub is not None:
-                await pubsub.aclose()
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
             if redis_client is not None:
-                await redis_client.aclose()
+                with contextlib.suppress(Exception):
+                    await redis_client.aclose()
 
     # -- writes (the trainer's side) --
 

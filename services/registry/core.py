@@ -30,6 +30,7 @@ import torch
 
 from services.registry.metrics import RegistryMetrics
 from services.registry.settings import RegistrySettings
+from shared.coord.keys import Keys
 from shared.patch import (
     MAGIC,
     PatchError,
@@ -193,7 +194,8 @@ SNAPSHOT_LAG = 0  # key of RunState.wanted for the snapshot s → head merge (re
 
 
 class RedisAnnouncer:
-    """PUBLISH each new version on `<prefix>:versions` and keep `<prefix>:registry:<run>:head`."""
+    """PUBLISH each new version on the run's channel and keep the run's head version in Redis
+    (names: shared.coord.Keys)."""
 
     def __init__(self, redis_url: str, prefix: str) -> None:
         import redis.asyncio as aioredis
@@ -203,8 +205,9 @@ class RedisAnnouncer:
 
     async def announce(self, run: str, manifest: Manifest) -> None:
         event = {"run": run, "version": manifest.version, "fingerprint": manifest.fingerprint}
-        await self.redis.set(f"{self.prefix}:registry:{run}:head", manifest.version)
-        await self.redis.publish(f"{self.prefix}:versions", json.dumps(event))
+        keys = Keys(self.prefix, run)
+        await self.redis.set(keys.registry_head, manifest.version)
+        await self.redis.publish(keys.versions_channel, json.dumps(event))
 
     async def aclose(self) -> None:
         await self.redis.aclose()

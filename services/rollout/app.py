@@ -15,7 +15,6 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import redis.asyncio as aioredis
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -31,14 +30,26 @@ from services.rollout.api import (
 from services.rollout.core import RolloutCore
 from services.rollout.engine.config import SamplingParams
 from services.rollout.settings import RolloutSettings
-from services.rollout.sync import WeightSync, bootstrap_model, match_registry_version
+from services.rollout.sync import LOOP as SYNC_LOOP
+from services.rollout.sync import (
+    RunNotReady,
+    WeightSync,
+    bootstrap_model,
+    check_run_ready,
+    match_registry_version,
+)
+from services.rollout.worker import LOOP as WORKER_LOOP
 from services.rollout.worker import RolloutWorker
-from shared.coord import Coordinator
+from shared.coord import Coordinator, connect
+from shared.health import HealthMetrics, Liveness
 from shared.http import PROMETHEUS_TEXT, error_responses, install_error_handling
 from shared.registry_client import RegistryClient
+from shared.retry import Outage, transient
 from shared.schemas import one_line_error
 
 log = logging.getLogger(__name__)
+BOOT = "boot"  # the start-up task's name in Liveness
+PROBE_TIMEOUT_S = 2.0  # how long /readyz waits for Redis to answer
 
 
 async def build_core(settings: RolloutSettings, client: RegistryClient | None) -> RolloutCore:
@@ -69,6 +80,8 @@ class Metrics:
         self.kv_peak = Gauge("rollout_kv_peak_bytes", "Peak KV bytes of the last batch", registry=self.registry)
         self.leases = Gauge("rollout_leases_held", "Prompt-group leases held", registry=self.registry)
         self.completed = Gauge("rollout_groups_completed", "Groups completed and counted", registry=self.registry)
+        self.failed_groups = Gauge("rollout_group_failures", "Group attempts that failed here (reward raised, ...)",
+                                   registry=self.registry)
         self.syncs = Gauge("rollout_weight_syncs", "Weight syncs done", registry=self.registry)
         self.sync_fallbacks = Gauge("rollout_weight_sync_fallbacks", "Syncs that fell back to a snapshot",
                                     registry=self.registry)
@@ -77,42 +90,82 @@ class Metrics:
 def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None = None) -> FastAPI:
     settings = settings or RolloutSettings()
     metrics = Metrics()
-    state: dict = {"core": core, "sync": None, "worker": None}
+    state: dict = {"core": core, "sync": None, "worker": None, "waiting": None, "redis": None}
+    liveness = Liveness()
+    outages = {"redis": Outage("redis", log), "registry": Outage("registry", log)}
+    health_metrics = HealthMetrics(metrics.registry, "rollout")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         stop = asyncio.Event()
         tasks: list[asyncio.Task] = []
         client = None
-        redis = None
         if settings.registry_url:
             bps = settings.sync_bandwidth_mbps * 1e6 if settings.sync_bandwidth_mbps else None
             client = RegistryClient(settings.registry_url, settings.run, streams=settings.sync_streams,
                                     bandwidth_bps=bps, redis_url=settings.redis_url or None,
                                     redis_prefix=settings.redis_prefix)
-        if state["core"] is None:
-            state["core"] = await build_core(settings, client)
-        if client is not None:
-            state["sync"] = WeightSync(state["core"], client, poll_s=settings.sync_poll_s)
-            if state["core"].weights.version < 0:
-                await state["sync"].sync_to(None)
-            tasks.append(asyncio.create_task(state["sync"].run(stop)))
         if settings.redis_url:
-            redis = aioredis.Redis.from_url(settings.redis_url)
-            coord = Coordinator(redis, settings.redis_prefix, settings.coord)
-            state["worker"] = RolloutWorker(state["core"], coord, settings, state["sync"])
-            tasks.append(asyncio.create_task(state["worker"].run(stop)))
+            state["redis"] = connect(settings.redis_url)
+        first_try = asyncio.Event()
+
+        async def boot() -> None:
+            """Load the model, waiting (readiness false, logged once) for a registry that is not up
+            yet or a run whose trainer has not published v0; then start the loops."""
+            while state["core"] is None or state["core"].weights.version < 0:
+                liveness.beat(BOOT)
+                try:
+                    if client is not None:
+                        await check_run_ready(client)
+                    if state["core"] is None:
+                        state["core"] = await build_core(settings, client)
+                    if state["core"].weights.version < 0:  # local weights that are no published version
+                        sync = WeightSync(state["core"], client, poll_s=settings.sync_poll_s)
+                        await sync.sync_to(None)
+                except Exception as exc:
+                    first_try.set()
+                    if not (isinstance(exc, RunNotReady) or transient(exc)) or stop.is_set():
+                        raise
+                    state["waiting"] = f"{type(exc).__name__}: {exc}"
+                    await outages["registry"].failed(exc, stop)
+                    continue
+                first_try.set()
+                outages["registry"].ok()
+            state["waiting"] = None
+            if client is not None:
+                state["sync"] = WeightSync(state["core"], client, poll_s=settings.sync_poll_s,
+                                           registry=outages["registry"], liveness=liveness)
+                task = asyncio.create_task(state["sync"].run(stop))
+                liveness.watch(SYNC_LOOP, task, settings.stall_s, progress=lambda: client.counters.bytes)
+                tasks.append(task)
+            if state["redis"] is not None:
+                coord = Coordinator(state["redis"], settings.redis_prefix, settings.coord, run=settings.run)
+                state["worker"] = RolloutWorker(state["core"], coord, settings, state["sync"],
+                                                redis=outages["redis"], liveness=liveness)
+                task = asyncio.create_task(state["worker"].run(stop))
+                liveness.watch(WORKER_LOOP, task, settings.stall_s)
+                tasks.append(task)
+
+        booting = asyncio.create_task(boot())
+        liveness.watch(BOOT, booting, settings.stall_s, may_finish=True)
+        # The usual start (registry up, run published) completes here, so the server starts ready;
+        # a model that cannot load fails the start-up at once, as before.
+        await asyncio.wait({booting, asyncio.create_task(first_try.wait())}, return_when=asyncio.FIRST_COMPLETED)
+        if booting.done() and booting.exception() is not None:
+            raise booting.exception()
+        if state["waiting"]:
+            log.warning("rollout worker is up but not ready: %s", state["waiting"])
         try:
             yield
         finally:
             stop.set()  # the worker finishes its batch or releases its leases
-            for task in tasks:
+            for task in [booting, *tasks]:
                 with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
                     await asyncio.wait_for(task, timeout=30)
             if client is not None:
                 await client.aclose()
-            if redis is not None:
-                await redis.aclose()
+            if state["redis"] is not None:
+                await state["redis"].aclose()
 
     app = FastAPI(title="sparsecast rollout", version="0.1.0", lifespan=lifespan, responses=error_responses(422),
                   description="Sparse-KV generation, an OpenAI completions subset, live weight sync.")
@@ -215,16 +268,34 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
                            registry_url=settings.registry_url or None)
 
     @app.get("/healthz")
-    async def healthz() -> dict:
-        return {"ok": True}
+    async def healthz(response: Response) -> dict:
+        """Liveness: 503 when a background loop (boot, weight sync, worker, heartbeats) died or
+        made no progress for stall_s, so the orchestrator restarts the worker. Waiting out an
+        outage, or for the run's first version, is progress."""
+        problems = liveness.problems()
+        if problems:
+            response.status_code = 503
+        return {"ok": not problems, "problems": problems, "loops": liveness.loops()}
 
     @app.get("/readyz")
     async def readyz(response: Response) -> dict:
+        """Readiness: weights of a published version are loaded, and Redis and the registry
+        (when configured) answer now."""
         core = state["core"]
-        ready = core is not None and core.weights.version >= 0
-        if not ready:
+        reasons = []
+        if core is None or core.weights.version < 0:
+            reasons.append(state["waiting"] or "loading the model")
+        reasons += liveness.problems()  # a dead or stuck loop cannot work either
+        if state["redis"] is not None:
+            try:
+                await asyncio.wait_for(state["redis"].ping(), timeout=PROBE_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - any failure means: not ready
+                reasons.append(f"redis: {type(exc).__name__}: {exc}")
+        if settings.registry_url and outages["registry"].down:
+            reasons.append(f"registry: {outages['registry'].last_error}")
+        if reasons:
             response.status_code = 503
-        return {"ready": ready, "version": core.weights.version if core else None}
+        return {"ready": not reasons, "version": core.weights.version if core else None, "reasons": reasons}
 
     @app.get("/metrics", responses=PROMETHEUS_TEXT)
     async def prometheus() -> Response:
@@ -235,9 +306,11 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
         if worker is not None:
             metrics.leases.set(len(worker.held))
             metrics.completed.set(worker.completed)
+            metrics.failed_groups.set(worker.failed_groups)
         if sync is not None:
             metrics.syncs.set(sync.syncs)
             metrics.sync_fallbacks.set(sync.fallbacks)
+        health_metrics.update(outages.values(), liveness)
         return Response(generate_latest(metrics.registry), media_type="text/plain; version=0.0.4")
 
     @app.exception_handler(ValueError)
@@ -247,6 +320,7 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
         return JSONResponse({"detail": one_line_error(exc)}, status_code=422)
 
     app.state.rollout = state
+    app.state.liveness = liveness
     return app
 
 

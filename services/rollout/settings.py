@@ -56,6 +56,9 @@ class RolloutSettings(BaseSettings):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     max_new_tokens: int | None = Field(default=None, ge=1, description="default: the task's own")
     coord: CoordSettings = Field(default_factory=CoordSettings)
+    # /healthz reports a background loop stuck when it makes no progress for this long: one
+    # generation batch (or a model load) must fit in it (docs/coordination.md).
+    stall_s: float = Field(default=600.0, gt=0)
 
     def resolved_device(self) -> str:
         if self.device != "auto":

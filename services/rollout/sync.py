@@ -20,14 +20,30 @@ import torch
 from safetensors.torch import save_file
 
 from services.rollout.core import RolloutCore
+from shared.health import Liveness
 from shared.patch import PatchError, apply_patch, fingerprint, load_snapshot
 from shared.registry_client import CorruptObjectError, Plan, RegistryClient, RegistryHTTPError
+from shared.retry import Outage, transient
 
 log = logging.getLogger(__name__)
+LOOP = "sync"  # the sync loop's name in Liveness
+# A wait for the next version returns at least this often, so the loop beats (shared.health).
+VERSION_WAIT_S = 30.0
 
 
 class SyncFailed(Exception):
     pass
+
+
+class RunNotReady(Exception):
+    """The registry has no version of the run yet: its trainer has not published v0."""
+
+
+async def check_run_ready(client: RegistryClient) -> None:
+    """Raise RunNotReady until the run has a version (the trainer publishes its model files first,
+    then v0, so a run with a version also has what a stateless worker needs)."""
+    if await client.latest() is None:
+        raise RunNotReady(f"run {client.run!r} has no versions yet: waiting for its trainer to publish v0")
 
 
 async def bootstrap_model(client: RegistryClient, dest: Path) -> int:
@@ -50,10 +66,13 @@ async def match_registry_version(client: RegistryClient, local_fingerprint: str)
 
 
 class WeightSync:
-    def __init__(self, core: RolloutCore, client: RegistryClient, poll_s: float = 2.0) -> None:
+    def __init__(self, core: RolloutCore, client: RegistryClient, poll_s: float = 2.0, *,
+                 registry: Outage | None = None, liveness: Liveness | None = None) -> None:
         self.core = core
         self.client = client
         self.poll_s = poll_s
+        self.registry = registry or Outage("registry", log)
+        self.liveness = liveness or Liveness()
         self.syncs = 0
         self.fallbacks = 0
         self.failures = 0
@@ -63,16 +82,25 @@ class WeightSync:
         self.history: deque[dict] = deque(maxlen=256)
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Follow the registry's head. An unreachable registry is waited out (logged once per
+        outage, shared.retry); a sync that fails for another reason is retried with backoff too."""
         backoff = self.poll_s
         while not stop.is_set():
+            self.liveness.beat(LOOP)
             try:
                 target = await _unless_stopped(
-                    self.client.wait_for_version(self.core.weights.version, timeout=30.0, poll_s=self.poll_s), stop)
+                    self.client.wait_for_version(self.core.weights.version, timeout=VERSION_WAIT_S,
+                                                 poll_s=self.poll_s), stop)
                 if target is not None and target > self.core.weights.version:
                     await self.sync_to(target)
+                self.registry.ok()
                 backoff = self.poll_s
             except (SyncFailed, RegistryHTTPError, httpx.HTTPError, OSError) as exc:
                 self.failures += 1
+                cause = exc.__cause__ if isinstance(exc, SyncFailed) and exc.__cause__ is not None else exc
+                if transient(cause):
+                    await self.registry.failed(cause, stop)
+                    continue
                 log.warning("weight sync failed (%s); retrying in %.1fs", exc, backoff)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=backoff)

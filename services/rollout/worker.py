@@ -3,6 +3,11 @@
 A worker holds nothing worth keeping: if it dies, its leases expire and another worker reclaims
 the groups (shared.coord). Claims follow the scheduler's claim size (throughput-proportional, zero
 while the weights lag the trainer), so a lagging worker syncs before it takes more work.
+
+Faults: Redis outages are waited out with backoff (shared.retry) and finished results are kept
+until their completion lands; a group whose processing fails (its reward function raises, its
+prompt breaks the tokenizer) fails alone, with its attempt counted and the error recorded
+(Coordinator.fail), never the worker or the other groups of its batch.
 """
 
 from __future__ import annotations
@@ -12,17 +17,22 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 from services.rollout.core import Batch, RolloutCore
 from services.rollout.engine.config import GenerationOutput, SamplingParams
 from services.rollout.settings import RolloutSettings
 from services.rollout.sync import WeightSync
 from shared.coord import Coordinator, Lease
+from shared.health import Liveness
+from shared.retry import Outage, transient
 from shared.schemas import KVStats, Sample, SamplingInfo, Trajectory, WorkerInfo
 from shared.tasks import Task, get_task
 
 log = logging.getLogger(__name__)
+LOOP, HEARTBEAT = "worker", "heartbeat"  # loop names in Liveness
+T = TypeVar("T")
 
 
 def batch_seed(leases: list[Lease]) -> int:
@@ -37,15 +47,20 @@ def batch_seed(leases: list[Lease]) -> int:
 
 class RolloutWorker:
     def __init__(self, core: RolloutCore, coord: Coordinator, settings: RolloutSettings,
-                 sync: WeightSync | None = None) -> None:
+                 sync: WeightSync | None = None, *, redis: Outage | None = None,
+                 liveness: Liveness | None = None) -> None:
         self.core = core
         self.coord = coord
         self.settings = settings
         self.sync = sync
+        self.redis = redis or Outage("redis", log)
+        self.liveness = liveness or Liveness()
         self.held: list[Lease] = []
         self.completed = 0
         self.duplicates = 0
         self.failed_batches = 0
+        self.failed_groups = 0  # attempts that failed here (the group goes back or to the dead letters)
+        self._stop = asyncio.Event()
 
     def info(self) -> WorkerInfo:
         core, s = self.core, self.settings
@@ -65,30 +80,41 @@ class RolloutWorker:
     async def heartbeat(self, stop: asyncio.Event) -> None:
         """Keep the worker entry and every held lease alive while a batch generates."""
         while not stop.is_set():
-            with contextlib.suppress(Exception):  # a missed beat is tolerated; the next one retries
+            self.liveness.beat(HEARTBEAT)
+            try:
                 await self.coord.register_worker(self.info())
                 if self.held:
                     still = {lease.entry_id for lease in await self.coord.heartbeat_leases(self.held)}
                     lost = [lease.group_id for lease in self.held if lease.entry_id not in still]
                     if lost:
                         log.warning("leases lost (reclaimed elsewhere): %s", lost)
+                self.redis.ok()
+            except Exception as exc:
+                if not transient(exc):
+                    raise
+                self.redis.record(exc)  # a missed beat is tolerated; the next one retries
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=self.settings.coord.heartbeat_interval_s)
 
+    async def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """A Redis call that waits out outages (the loop stays alive meanwhile)."""
+        return await self.redis.call(fn, self._stop, lambda: self.liveness.beat(LOOP))
+
     async def run(self, stop: asyncio.Event) -> None:
-        await self.coord.register_worker(self.info())
+        self._stop = stop
         beats = asyncio.create_task(self.heartbeat(stop))
+        self.liveness.watch(HEARTBEAT, beats, max(60.0, 3 * self.settings.coord.heartbeat_interval_s))
         try:
             while not stop.is_set():
-                size = await self.coord.claim_size(self.settings.worker_id)
-                if size == 0:  # lagging: let the weight sync catch up before taking work
-                    await self.coord.register_worker(self.info())
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), timeout=0.5)
+                self.liveness.beat(LOOP)
+                try:
+                    await self.cycle()
+                except Exception as exc:
+                    if not transient(exc) or stop.is_set():
+                        raise
+                    await self.redis.failed(exc, stop)
                     continue
-                leases = await self.coord.claim(self.settings.worker_id, size, block_ms=500)
-                if leases:
-                    await self.process(leases)
+                self.redis.ok()
         finally:
             # Graceful shutdown: whatever is still held goes back to the queue at once.
             for lease in self.held:
@@ -102,48 +128,91 @@ class RolloutWorker:
             with contextlib.suppress(Exception):
                 await self.coord.deregister_worker(self.settings.worker_id)
 
+    async def cycle(self) -> None:
+        """One round: claim what the scheduler allows, then generate, score and complete it."""
+        size = await self.coord.claim_size(self.settings.worker_id)
+        if size == 0:  # lagging: let the weight sync catch up before taking work
+            await self.coord.register_worker(self.info())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=0.5)
+            return
+        leases = await self.coord.claim(self.settings.worker_id, size, block_ms=500)
+        if leases:
+            await self.process(leases)
+
     async def process(self, leases: list[Lease]) -> None:
-        """Generate every claimed group's samples in one engine batch, then complete each lease."""
+        """Generate every claimed group's samples in one engine batch, then complete each lease.
+        A group that fails fails alone (Coordinator.fail); finished results wait out a Redis
+        outage until their completion lands."""
         self.held = list(leases)
         runnable: list[tuple[Lease, list[int]]] = []
         for lease in leases:
-            ids = self.core.encode(lease.group.prompt)
-            reason = self._reject_reason(lease, ids)
+            try:
+                ids = self.core.encode(lease.group.prompt)
+                reason = self._reject_reason(lease, ids)
+            except Exception as exc:  # noqa: BLE001 - whatever this group's data breaks
+                await self._fail(lease, exc)
+                continue
             if reason:
-                await self.coord.reject(lease, reason)
+                await self._call(lambda lease=lease, reason=reason: self.coord.reject(lease, reason))
                 self.held.remove(lease)
                 continue
             runnable.append((lease, ids))
         if not runnable:
             return
+        done: list[tuple[Lease, Trajectory]] = []
+        for part in await self._generate(runnable):
+            lease, prompt_ids, outputs, batch = part
+            try:
+                done.append((lease, self._trajectory(lease, prompt_ids, outputs, batch)))
+            except Exception as exc:  # noqa: BLE001 - e.g. the task's reward raised on this group's answer
+                await self._fail(lease, exc)
+        if done:
+            results = await self._call(lambda: self.coord.complete_many(done))
+            for (lease, _), counted in zip(done, results, strict=True):
+                if counted:
+                    self.completed += 1
+                else:
+                    self.duplicates += 1  # finished elsewhere first (our lease was reclaimed): not counted
+                self.held.remove(lease)
+
+    async def _generate(self, runnable: list[tuple[Lease, list[int]]]) -> list[tuple[Lease, list[int], list, Batch]]:
+        """One engine batch for all groups; if it raises, each group alone, so a group that breaks
+        the engine fails by itself. Returns (lease, prompt ids, its outputs, batch) per group."""
+        try:
+            batch = await self._run_engine(runnable)
+        except Exception as exc:  # noqa: BLE001 - isolate the group at fault
+            self.failed_batches += 1
+            if len(runnable) == 1:
+                await self._fail(runnable[0][0], exc)
+                return []
+            log.warning("generation of %d groups failed (%s: %s); trying each group alone", len(runnable),
+                        type(exc).__name__, exc)
+            parts = []
+            for one in runnable:
+                parts += await self._generate([one])
+            return parts
+        parts, offset = [], 0
+        for lease, prompt_ids in runnable:
+            parts.append((lease, prompt_ids, batch.outputs[offset: offset + lease.group.samples], batch))
+            offset += lease.group.samples
+        return parts
+
+    async def _run_engine(self, runnable: list[tuple[Lease, list[int]]]) -> Batch:
         max_new = max(self._max_new_tokens(lease) for lease, _ in runnable)
         prompts = [ids for lease, ids in runnable for _ in range(lease.group.samples)]
         params = SamplingParams(temperature=self.settings.temperature, top_p=self.settings.top_p,
                                 max_new_tokens=max_new, stop_token_ids=self.core.default_stop_ids(),
                                 seed=batch_seed([lease for lease, _ in runnable]))
-        kv = self.core.kv_config()
-        try:
-            batch = await self.core.generate(prompts, params, kv)
-        except Exception:
-            log.exception("generation failed; releasing %d leases", len(runnable))
-            self.failed_batches += 1
-            for lease, _ in runnable:
-                await self.coord.release(lease)
-            self.held = []
-            return
-        sampling = SamplingInfo(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                                engine=self.core.engine.name, kv_policy=kv.policy,
-                                kv_budget=None if kv.policy == "dense" else kv.budget)
-        offset = 0
-        for lease, prompt_ids in runnable:
-            outputs = batch.outputs[offset: offset + lease.group.samples]
-            offset += lease.group.samples
-            trajectory = self._trajectory(lease, prompt_ids, outputs, batch, sampling)
-            if await self.coord.complete(lease, trajectory):
-                self.completed += 1
-            else:
-                self.duplicates += 1  # finished elsewhere first (our lease was reclaimed): not counted
-            self.held.remove(lease)
+        return await self.core.generate(prompts, params, self.core.kv_config())
+
+    async def _fail(self, lease: Lease, exc: BaseException) -> None:
+        error = f"{type(exc).__name__}: {exc}"
+        outcome = await self._call(lambda: self.coord.fail(lease, error))
+        self.failed_groups += 1
+        log.warning("group %s failed on attempt %d (%s): %s", lease.group_id, lease.attempt,
+                    {"retry": "queued again", "dead": "dead-lettered", "lost": "lease already gone"}[outcome], error)
+        self.held.remove(lease)
 
     def _reject_reason(self, lease: Lease, ids: list[int]) -> str | None:
         try:
@@ -160,14 +229,20 @@ class RolloutWorker:
         return (lease.group.max_new_tokens or self.settings.max_new_tokens
                 or get_task(lease.group.task).max_new_tokens)
 
-    def _trajectory(self, lease: Lease, prompt_ids: list[int], outputs: list, batch: Batch,
-                    sampling: SamplingInfo) -> Trajectory:
+    def _sampling(self) -> SamplingInfo:
+        """How this worker samples (the trainer refuses trajectories sampled otherwise than it assumes)."""
+        kv = self.core.kv_config()
+        return SamplingInfo(temperature=self.settings.temperature, top_p=self.settings.top_p, top_k=0,
+                            engine=self.core.engine.name, kv_policy=kv.policy,
+                            kv_budget=None if kv.policy == "dense" else kv.budget)
+
+    def _trajectory(self, lease: Lease, prompt_ids: list[int], outputs: list, batch: Batch) -> Trajectory:
         task = get_task(lease.group.task)
         return Trajectory(
             group_id=lease.group_id, attempt=lease.attempt, policy_version=batch.version,
             worker_id=self.settings.worker_id, task=lease.group.task, prompt=lease.group.prompt,
             samples=score_samples(task, lease.group.answer or "", prompt_ids, outputs, self.core.decode),
-            sampling=sampling, created_at=time.time(),
+            sampling=self._sampling(), created_at=time.time(),
         )
 
 

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import redis.asyncio as aioredis
+import httpx
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -21,11 +21,14 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from services.trainer.core import Trainer
+from services.trainer.core import LOOP, Trainer, TrainerHealth
+from services.trainer.ledger import GroupLedger
 from services.trainer.settings import TrainerSettings
-from shared.coord import Coordinator, QueueFull
+from shared.coord import Coordinator, QueueFull, connect
+from shared.health import HealthMetrics
 from shared.http import PROMETHEUS_TEXT, BodyLimit, error_responses, inline_schema, install_error_handling
-from shared.registry_client import RegistryClient
+from shared.registry_client import RegistryClient, RegistryHTTPError
+from shared.retry import transient
 from shared.schemas import PromptGroup, Text, one_line_error
 from shared.tasks import get_task, list_tasks
 from shared.tasks.numeric import numeric_row
@@ -33,6 +36,11 @@ from shared.tasks.numeric import numeric_row
 log = logging.getLogger(__name__)
 DASHBOARD = Path(__file__).parent / "dashboard"
 MAX_PROMPTS_PER_REQUEST = 10_000
+# The trainer's own calls ride out registry outages (shared.retry: logged once, counted), so its
+# client retries only once inside, for a blip.
+REGISTRY_RETRIES = 1
+# How long /readyz waits for Redis and the registry to answer.
+PROBE_TIMEOUT_S = 2.0
 
 
 class PromptIn(BaseModel):
@@ -137,33 +145,45 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
         "kv_saved": "KV memory the samplers saved vs a dense cache",
     }.items()}
     coord_gauge = Gauge("coord", "Coordination counters and depths", ["name"], registry=registry)
+    fault_gauges = {name: Gauge(f"trainer_{name}", doc, registry=registry) for name, doc in {
+        "requeued_groups": "Groups queued again because Redis no longer held them",
+        "duplicate_trajectories": "Trajectories dropped because their group was trained or held already",
+        "redis_data_losses": "Times Redis was found without the run's data",
+    }.items()}
+    health = TrainerHealth()
+    health_metrics = HealthMetrics(registry, "trainer")
     staleness_gauge = Gauge("trainer_staleness_groups", "Groups of the last batch by version lag", ["lag"],
                             registry=registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        redis = aioredis.Redis.from_url(settings.redis_url)
-        coord = Coordinator(redis, settings.redis_prefix, settings.coord)
-        client = RegistryClient(settings.registry_url, settings.run, token=token)
-        state["coord"], state["registry"] = coord, client
+        redis = connect(settings.redis_url)
+        coord = Coordinator(redis, settings.redis_prefix, settings.coord, run=settings.run)
+        client = RegistryClient(settings.registry_url, settings.run, token=token, retries=REGISTRY_RETRIES)
+        ledger = await asyncio.to_thread(GroupLedger.in_dir, settings.data_dir, settings.run)
+        state["coord"], state["registry"], state["ledger"] = coord, client, ledger
         stop = asyncio.Event()
 
         async def boot() -> None:
             try:
-                trainer = await asyncio.to_thread(Trainer, settings, client, coord)
-                await trainer.start()
+                trainer = await asyncio.to_thread(Trainer, settings, client, coord, ledger=ledger, health=health)
+                await trainer.start(stop)
                 state["trainer"] = trainer
                 await trainer.run(stop)
             except Exception as exc:
+                if stop.is_set():
+                    return  # shutting down: an outage wait was cut short
                 state["error"] = f"{type(exc).__name__}: {exc}"
                 log.exception("trainer stopped")
+                raise  # the loop is dead: /healthz says so, and the orchestrator restarts us
 
         task = asyncio.create_task(boot())
+        health.liveness.watch(LOOP, task, settings.stall_s, may_finish=True)
         try:
             yield
         finally:
             stop.set()
-            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
                 await asyncio.wait_for(task, timeout=60)
             await client.aclose()
             await redis.aclose()
@@ -199,14 +219,18 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
                               answer=p.answer, samples=n, max_new_tokens=p.max_new_tokens, metadata=p.metadata)
                   for p in items]
         try:
-            ids = await state["coord"].enqueue(groups)
+            ids = await state["ledger"].submit(state["coord"], groups)
         except QueueFull as exc:
             raise HTTPException(429, str(exc)) from exc
+        except Exception as exc:
+            if not transient(exc):
+                raise
+            raise HTTPException(503, f"Redis is unreachable, nothing was queued; retry later ({exc})") from exc
         return PromptsAccepted(task=name, samples_per_prompt=n, count=len(groups), ids=[g.id for g in groups],
                                entries=ids)
 
     @app.post("/v1/prompts", dependencies=[Depends(authorize)], openapi_extra=PROMPTS_BODY,
-              responses=error_responses(400, 401, 413, 415, 422, 429))
+              responses=error_responses(400, 401, 413, 415, 422, 429, 503))
     async def submit_prompts(request: Request, task: str | None = Query(None, json_schema_extra={"enum": list_tasks()}),
                              samples_per_prompt: int | None = Query(None, ge=1, le=1024)) -> PromptsAccepted:
         """JSON body (PromptsRequest), or a JSONL upload (application/x-ndjson or multipart file):
@@ -255,9 +279,17 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
 
     @app.get("/v1/status")
     async def status() -> dict:
+        """Never fails for a Redis fault: with Redis unreachable, queue and workers are null and
+        `redis_error` says why."""
         trainer = state["trainer"]
         coord: Coordinator = state["coord"]
-        stats, workers = await asyncio.gather(coord.stats(), coord.workers())
+        stats: dict | None = None
+        workers: list = []
+        redis_error = None
+        try:
+            stats, workers = await asyncio.gather(coord.stats(), coord.workers())
+        except Exception as exc:  # noqa: BLE001 - status reports a broken dependency, it does not fail
+            redis_error = f"{type(exc).__name__}: {exc}"
         return {
             "run": settings.run,
             "state": trainer.state if trainer else ("failed" if state["error"] else "starting"),
@@ -268,6 +300,13 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
             "max_steps": settings.max_steps,
             "queue": stats,
             "workers": [w.model_dump() for w in workers],
+            "redis_error": redis_error,
+            "dependencies": {"redis": health.redis.state(), "registry": health.registry.state()},
+            "faults": {
+                "requeued_groups": trainer.requeued if trainer else 0,
+                "duplicate_trajectories": trainer.duplicates_dropped if trainer else 0,
+                "redis_data_losses": trainer.redis_data_losses if trainer else 0,
+            },
             "last": trainer.history[-1] if trainer and trainer.history else None,
             # Trajectories the trainer would not train on (sampling contract), by reason.
             "refused_trajectories": dict(trainer.refused) if trainer else {},
@@ -275,7 +314,10 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
 
     @app.get("/v1/versions")
     async def versions() -> dict:
-        manifests = await state["registry"].versions()
+        try:
+            manifests = await state["registry"].versions()
+        except (RegistryHTTPError, httpx.HTTPError) as exc:
+            raise HTTPException(503, f"the registry is unavailable: {exc}") from exc
         return {"run": settings.run, "versions": [
             m.model_dump(exclude={"patch", "snapshot"}) | {
                 "patch_bytes": m.patch.size if m.patch else None,
@@ -307,16 +349,34 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
         return {"step": trainer.step, "version": trainer.version, "path": str(path)}
 
     @app.get("/healthz")
-    async def healthz() -> dict:
-        return {"ok": True}
+    async def healthz(response: Response) -> dict:
+        """Liveness: 503 when the step loop died or made no progress for stall_s (waiting out an
+        outage counts as progress), so the orchestrator restarts the trainer."""
+        problems = health.liveness.problems()
+        if problems:
+            response.status_code = 503
+        return {"ok": not problems, "problems": problems, "loops": health.liveness.loops()}
 
     @app.get("/readyz")
     async def readyz(response: Response) -> dict:
+        """Readiness: the model is loaded and running, and Redis and the registry answer now."""
         trainer = state["trainer"]
-        ready = trainer is not None and state["error"] is None
-        if not ready:
+        reasons = []
+        if trainer is None:
+            reasons.append(state["error"] or "starting: loading the model and publishing v0")
+        elif state["error"]:
+            reasons.append(state["error"])
+        reasons += health.liveness.problems()  # a dead or stuck loop cannot work either
+        redis_error, registry_error = await asyncio.gather(
+            _probe(state["coord"].redis.ping()), _probe(state["registry"].ping(PROBE_TIMEOUT_S)))
+        if redis_error:
+            reasons.append(f"redis: {redis_error}")
+        if registry_error:
+            reasons.append(f"registry: {registry_error}")
+        if reasons:
             response.status_code = 503
-        return {"ready": ready, "state": trainer.state if trainer else "starting", "error": state["error"]}
+        return {"ready": not reasons, "state": trainer.state if trainer else "starting", "error": state["error"],
+                "reasons": reasons}
 
     @app.get("/metrics", responses=PROMETHEUS_TEXT)
     async def metrics() -> Response:
@@ -330,6 +390,10 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
                     gauge.set(last[name])
             for lag, count in (last.get("staleness") or {}).items():
                 staleness_gauge.labels(lag).set(count)
+            fault_gauges["requeued_groups"].set(trainer.requeued)
+            fault_gauges["duplicate_trajectories"].set(trainer.duplicates_dropped)
+            fault_gauges["redis_data_losses"].set(trainer.redis_data_losses)
+        health_metrics.update([health.redis, health.registry], health.liveness)
         with contextlib.suppress(Exception):
             for name, value in (await state["coord"].stats()).items():
                 coord_gauge.labels(name).set(value)
@@ -348,6 +412,15 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
     app.state.trainer = state
     app.state.api_token = token
     return app
+
+
+async def _probe(call: Any) -> str | None:
+    """None when the awaitable completes within PROBE_TIMEOUT_S, else what went wrong."""
+    try:
+        await asyncio.wait_for(call, timeout=PROBE_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - any failure means: not ready
+        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return None
 
 
 def _parse_jsonl(raw: bytes) -> list[PromptIn]:

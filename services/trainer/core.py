@@ -5,6 +5,10 @@ corrections + PPO-clip loss → AdamW on fp32 master weights → cast to bf16 �
 against the last published bf16 weights → publish to the registry. Extraction and upload run in
 the background while the next batch is collected; the next publish waits for the previous one,
 so versions stay a chain.
+
+Faults (docs/coordination.md): every call to Redis or the registry rides out outages with backoff
+(shared.retry), so a step waits for the registry instead of being dropped; a ledger of prompt
+groups (ledger.py) lets the trainer queue again what Redis lost, and never train a group twice.
 """
 
 from __future__ import annotations
@@ -15,24 +19,40 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 from transformers import AutoTokenizer
 
 from services.trainer.learner import Learner
+from services.trainer.ledger import GroupLedger
 from services.trainer.settings import TrainerSettings
 from shared.coord import Coordinator
-from shared.patch import extract_patch, fingerprint, read_header, save_snapshot
+from shared.health import Liveness
+from shared.patch import PatchHeader, extract_patch, fingerprint, read_header, save_snapshot
 from shared.registry_client import RegistryClient, RegistryHTTPError
+from shared.retry import Outage, transient
 from shared.schemas import Trajectory
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json")
+LOOP = "trainer"  # the name of the step loop in Liveness
+
+
+@dataclass
+class TrainerHealth:
+    """What the trainer's loops report to /healthz, /readyz and /metrics."""
+
+    redis: Outage = field(default_factory=lambda: Outage("redis", log))
+    registry: Outage = field(default_factory=lambda: Outage("registry", log))
+    liveness: Liveness = field(default_factory=Liveness)
 
 
 def resolve_model_dir(settings: TrainerSettings) -> Path:
@@ -48,10 +68,12 @@ def resolve_model_dir(settings: TrainerSettings) -> Path:
 
 class Trainer:
     def __init__(self, settings: TrainerSettings, registry: RegistryClient, coord: Coordinator,
-                 model_dir: Path | None = None) -> None:
+                 model_dir: Path | None = None, *, ledger: GroupLedger | None = None,
+                 health: TrainerHealth | None = None) -> None:
         self.settings = settings
         self.registry = registry
         self.coord = coord
+        self.health = health or TrainerHealth()
         self.model_dir = model_dir or resolve_model_dir(settings)
         self.data_dir = Path(settings.data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -71,23 +93,47 @@ class Trainer:
         self.last_error: str | None = None
         self._publish_task: asyncio.Task | None = None
         self._pending: list[Trajectory] = []  # collected when a pause came; trained after resume
-        # Trajectories refused by the sampling contract, by reason (they are not trained on).
+        # Trajectories refused by the sampling contract, by reason (not trained on; their groups
+        # are unsettled, so reconcile queues them again for a worker that samples as assumed).
         self.refused: dict[str, int] = {}
         self._refused_this_step = 0
+        self.ledger = ledger or GroupLedger.in_dir(self.data_dir, settings.run)
+        self._ledger_existed = self.ledger.existed
+        self.held: set[str] = set()  # groups whose trajectories the trainer holds, not yet published
+        self.requeued = 0  # groups queued again because Redis no longer held them
+        self.duplicates_dropped = 0  # trajectories of groups already trained or held: never trained twice
+        self.redis_data_losses = 0  # times Redis was found without the run's data
+        self._next_reconcile = 0.0
+        self._stop = asyncio.Event()  # the run's stop event: ends outage waits at shutdown
+
+    # -- riding out outages --
+
+    def beat(self) -> None:
+        self.health.liveness.beat(LOOP)
+
+    async def _redis(self, fn: Callable[[], Awaitable[T]]) -> T:
+        return await self.health.redis.call(fn, self._stop, self.beat)
+
+    async def _registry(self, fn: Callable[[], Awaitable[T]]) -> T:
+        return await self.health.registry.call(fn, self._stop, self.beat)
+
 
     # -- startup and resume --
 
-    async def start(self) -> None:
-        """Resume from the checkpoint if any, and make the registry hold our current version."""
+    async def start(self, stop: asyncio.Event | None = None) -> None:
+        """Resume from the checkpoint if any, and make the registry hold our current version.
+        Waits (with backoff) for a registry or Redis that is not reachable yet."""
+        if stop is not None:
+            self._stop = stop
         if (self.checkpoint_dir / "trainer.pt").is_file():
             await asyncio.to_thread(self._load_checkpoint)
         fp = fingerprint(self.published)
-        latest = await self.registry.latest()
+        latest = await self._registry(self.registry.latest)
         if latest is None:
             await self._publish_model_files()
             data = await asyncio.to_thread(save_snapshot, self._cpu(self.published), run=self.settings.run,
                                            version=self.version)
-            await self.registry.publish_snapshot(self.version, data)
+            await self._registry(lambda: self.registry.publish_snapshot(self.version, data))
             log.info("published snapshot v%d (%s) to a new run %r", self.version, fp, self.settings.run)
         elif latest.version == self.version and latest.fingerprint == fp:
             log.info("registry head v%d matches our weights (%s)", latest.version, fp)
@@ -97,23 +143,21 @@ class Trainer:
             log.warning("registry is at v%d, checkpoint at v%d: loading the registry's weights", latest.version,
                         self.version)
             state = self._cpu(self.published)
-            result = await self.registry.sync_to(state, self.version if self.version or self.step else None,
-                                                 latest.version)
+            base = self.version if self.version or self.step else None
+            result = await self._registry(lambda: self.registry.sync_to(state, base, latest.version))
             self._load_published(state, result.version)
         else:
             raise RuntimeError(
                 f"registry run {self.settings.run!r} is at v{latest.version} ({latest.fingerprint}) but the trainer "
                 f"holds v{self.version} ({fp}): use another run name or the matching checkpoint")
-        await self.coord.set_trainer_version(self.version)
-        c = self.settings.coord
-        await self.coord.set_inflight_limit(max(1, c.max_lag - c.staleness_bound) * self.settings.groups_per_step)
+        await self._redis(self.maintain)
         self.state = "running"
-
     async def _publish_model_files(self) -> None:
         for name in MODEL_FILES:
             path = self.model_dir / name
             if path.is_file():
-                await self.registry.put_model_file(name, path.read_bytes())
+                data = path.read_bytes()
+                await self._registry(lambda name=name, data=data: self.registry.put_model_file(name, data))
 
     def _load_published(self, state: dict[str, torch.Tensor], version: int) -> None:
         self.learner.load_published(state)
@@ -131,8 +175,10 @@ class Trainer:
     # -- the loop --
 
     async def run(self, stop: asyncio.Event) -> None:
+        self._stop = stop
         try:
             while not stop.is_set():
+                self.beat()
                 if self.settings.max_steps and self.step >= self.settings.max_steps:
                     break
                 if self.paused.is_set():
@@ -149,7 +195,8 @@ class Trainer:
                 metrics["train_seconds"] = time.perf_counter() - t0
                 new_state = self.learner.published_state()
                 await self.wait_published()  # the previous patch is the base of this one
-                self._publish_task = asyncio.create_task(self.publish(new_state, metrics, t0))
+                group_ids = [t.group_id for t in trajectories]
+                self._publish_task = asyncio.create_task(self.publish(new_state, metrics, t0, group_ids))
             await self.wait_published()
         finally:
             self.state = "stopped" if not (self.settings.max_steps and self.step >= self.settings.max_steps) else "finished"
@@ -161,21 +208,83 @@ class Trainer:
             await task
 
     async def collect(self, stop: asyncio.Event) -> list[Trajectory]:
-        """Up to groups_per_step trajectories; after collect_timeout_s, whatever arrived."""
+        """Up to groups_per_step trajectories; after collect_timeout_s, whatever arrived. Redis
+        outages are waited out here; each round also keeps the run's Redis state (maintain)."""
         wanted = self.settings.groups_per_step
         got, self._pending = self._pending, []
         deadline = time.monotonic() + self.settings.collect_timeout_s
         while len(got) < wanted and not stop.is_set():
+            self.beat()
             if self.paused.is_set():
                 self._pending = got
                 return []
-            got += [t for t in await self.coord.next_trajectories(wanted - len(got), block_ms=500)
-                    if self._accept(t)]
+            try:
+                await self.maintain()
+                batch = await self.coord.next_trajectories(wanted - len(got), block_ms=500)
+            except Exception as exc:
+                if not transient(exc):
+                    raise
+                await self.health.redis.failed(exc, stop)
+                continue
+            self.health.redis.ok()
+            got += self._admit([t for t in batch if self._accept(t)])
             if time.monotonic() > deadline and got:
                 break
         if stop.is_set():
-            return []  # unfinished batch: not trained, the groups are already counted
+            return []  # unfinished batch: not trained; its groups stay unsettled in the ledger
         return got
+
+    def _admit(self, batch: Sequence[Trajectory]) -> list[Trajectory]:
+        """Hold the new trajectories; drop those of groups trained already or held (Redis handed
+        them out again after losing its last writes, or a group was re-enqueued): never twice."""
+        kept = []
+        for trajectory in batch:
+            gid = trajectory.group_id
+            if gid in self.held or gid in self.ledger.trained:
+                self.duplicates_dropped += 1
+                log.warning("dropped a second trajectory of group %s (already %s)", gid,
+                            "held" if gid in self.held else "trained")
+                continue
+            self.held.add(gid)
+            kept.append(trajectory)
+        return kept
+
+    # -- keeping Redis whole --
+
+    async def maintain(self) -> None:
+        """Check that Redis still holds the run (its epoch key); if it lost the data, create the
+        streams again and reconcile at once. Reconcile every reconcile_every_s anyway: an AOF
+        restart can lose the last second of writes without losing the epoch."""
+        if not await self.coord.check_epoch(self.ledger.epoch):
+            if self._ledger_existed or self.version or self.step:
+                self.redis_data_losses += 1
+                log.warning("Redis lost run %r's data: creating its streams again and re-enqueueing every "
+                            "group neither trained nor queued", self.settings.run)
+            await self.coord.reset()
+            self._next_reconcile = 0.0
+        self._ledger_existed = True
+        if time.monotonic() >= self._next_reconcile:
+            await self.reconcile()
+            self._next_reconcile = time.monotonic() + self.settings.reconcile_every_s
+
+    async def reconcile(self) -> list[str]:
+        """Restore the run's settings in Redis and queue again every submitted group that is in no
+        stream and not held or trained here (lost by Redis, or dropped as stale). Returns those ids."""
+        await self.coord.set_trainer_version(self.version)
+        await self.coord.set_inflight_limit(self.settings.coord.inflight_limit(self.settings.groups_per_step))
+        async with self.ledger.lock:
+            candidates = self.ledger.unsettled(self.held)
+            missing, dead = await self.coord.missing([g.id for g in candidates])
+            if dead:
+                await asyncio.to_thread(self.ledger.settle_dead, dead)
+            if not missing:
+                return []
+            by_id = {g.id: g for g in candidates}
+            queued = await self.coord.requeue([by_id[gid] for gid in missing])
+        self.requeued += len(queued)
+        if queued:
+            log.warning("re-enqueued %d groups Redis no longer held (first: %s)", len(queued), queued[:5])
+        return queued
 
     def sampling_mismatch(self, trajectory: Trajectory) -> str | None:
         """Why the trainer cannot correct for how this trajectory was sampled, or None.
@@ -210,7 +319,10 @@ class Trainer:
 
     # -- publishing --
 
-    async def publish(self, new_state: dict[str, torch.Tensor], metrics: dict[str, Any], t0: float) -> None:
+    async def publish(self, new_state: dict[str, torch.Tensor], metrics: dict[str, Any], t0: float,
+                      group_ids: Sequence[str] = ()) -> None:
+        """Extract and upload the patch; while the registry is unreachable, wait for it (the step
+        is never dropped). `group_ids` are the groups trained in this step (settled once published)."""
         base, target = self.version, self.version + 1
         t_extract = time.perf_counter()
         patch = await asyncio.to_thread(extract_patch, self.published, new_state, run=self.settings.run,
@@ -227,11 +339,11 @@ class Trainer:
         }
         t_up = time.perf_counter()
         try:
-            await self.registry.publish_patch(target, patch, metrics=_jsonable(metrics))
+            await self._registry(lambda: self._put_patch(target, patch, header, _jsonable(metrics)))
             if self.settings.snapshot_every and target % self.settings.snapshot_every == 0:
                 data = await asyncio.to_thread(save_snapshot, self._cpu(new_state), run=self.settings.run,
                                                version=target)
-                await self.registry.publish_snapshot(target, data)
+                await self._registry(lambda: self.registry.publish_snapshot(target, data))
         except RegistryHTTPError as exc:
             self.last_error = str(exc)
             log.error("publishing v%d failed: %s", target, exc)
@@ -240,7 +352,9 @@ class Trainer:
         metrics["step_seconds"] = time.perf_counter() - t0
         metrics["time"] = time.time()
         self.published, self.version = new_state, target
-        await self.coord.set_trainer_version(target)
+        await asyncio.to_thread(self.ledger.settle_trained, list(group_ids), target)
+        self.held.difference_update(group_ids)
+        await self._redis(lambda: self.coord.set_trainer_version(target))
         self.history.append(metrics)
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(_jsonable(metrics)) + "\n")
@@ -249,6 +363,22 @@ class Trainer:
                  100 * metrics["changed_fraction"], len(patch), metrics["payload_ratio"])
         if self.settings.checkpoint_every and self.step % self.settings.checkpoint_every == 0:
             await asyncio.to_thread(self.save_checkpoint)
+
+    async def _put_patch(self, target: int, patch: bytes, header: PatchHeader, metrics: dict[str, Any]) -> None:
+        try:
+            await self.registry.publish_patch(target, patch, metrics=metrics)
+        except RegistryHTTPError as exc:
+            # A try whose answer was lost may have landed: then the version is ours, not a conflict.
+            if exc.status == 409:
+                landed = await self.registry.manifest(target) if await self._has_version(target) else None
+                if landed is not None and landed.fingerprint == header.target_fingerprint:
+                    log.info("v%d had landed in the registry before its answer was lost", target)
+                    return
+            raise
+
+    async def _has_version(self, version: int) -> bool:
+        latest = await self.registry.latest()
+        return latest is not None and latest.version >= version
 
     # -- checkpoints --
 

@@ -64,6 +64,12 @@ class TrainerSettings(BaseSettings):
     max_prompt_chars: int = Field(default=65_536, ge=1, description="~16k tokens of text")
     max_answer_chars: int = Field(default=4_096, ge=1)
     max_metadata_bytes: int = Field(default=16_384, ge=0, description="metadata as UTF-8 JSON")
+    # Faults (docs/coordination.md): how often the trainer checks that every submitted group is
+    # queued, in flight, trained or dead-lettered, and queues again what Redis lost; and how long
+    # its step loop may go without progress before /healthz reports it stuck (a step on a large
+    # model, or the first warm start, must fit in it).
+    reconcile_every_s: float = Field(default=15.0, gt=0)
+    stall_s: float = Field(default=600.0, gt=0)
     # Default task for POST /v1/prompts with generated prompts.
     default_task: str = "addition"
     samples_per_prompt: int = Field(default=8, ge=1)

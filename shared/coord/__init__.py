@@ -1,6 +1,6 @@
 """Redis coordination between trainer and rollout workers (docs/coordination.md)."""
 
-from shared.coord.coordinator import Coordinator
+from shared.coord.coordinator import Coordinator, connect, lost_streams
 from shared.coord.errors import CoordError, QueueFull
 from shared.coord.keys import Keys
 from shared.coord.leases import Lease
@@ -17,5 +17,7 @@ __all__ = [
     "Lease",
     "QueueFull",
     "claim_size",
+    "connect",
     "is_lagging",
+    "lost_streams",
 ]

@@ -39,3 +39,9 @@ class CoordSettings(BaseModel):
     @property
     def heartbeat_interval_s(self) -> float:
         return self.lease_ttl_s / 3
+
+    def inflight_limit(self, groups_per_step: int) -> int:
+        """The in-flight window the trainer sets (leased + completed-unread groups): a worker's
+        weights may be staleness_bound versions old and its results are read within
+        limit / groups_per_step steps, so none is older than max_lag when read."""
+        return max(1, self.max_lag - self.staleness_bound) * groups_per_step

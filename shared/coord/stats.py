@@ -19,6 +19,9 @@ COUNTERS: tuple[str, ...] = (
     "max_attempts_exceeded",  # of those, after max_attempts expired leases
     "malformed",  # of those, entries that did not parse as a PromptGroup
     "worker_rejected",  # of those, groups a worker rejected with a reason
+    "failed_groups",  # of those, groups whose processing failed max_attempts times
+    "failures",  # attempts that failed while processing a group (e.g. its reward raised)
+    "requeued",  # groups enqueued again because they were in no stream (Redis lost them, or stale)
     "trajectories_read",  # trajectories handed to the trainer
     "dropped_stale",  # trajectories dropped for being more than max_lag versions old
     "malformed_trajectories",  # trajectory entries that did not parse (dropped)

@@ -16,5 +16,5 @@ CoordFactory = Callable[..., Coordinator]
 async def make_coord(redis_url: str, redis_prefix: str) -> AsyncIterator[CoordFactory]:
     """Coordinators over one client and this test's own key prefix (cleaned up by conftest)."""
     client = aioredis.from_url(redis_url)
-    yield lambda **settings: Coordinator(client, redis_prefix, CoordSettings(**settings))
+    yield lambda **settings: Coordinator(client, redis_prefix, CoordSettings(**settings), run="test")
     await client.aclose()

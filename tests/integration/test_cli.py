@@ -52,7 +52,7 @@ def _seed_versions(registry_url: str, trainer_state: dict) -> None:
 async def _register_worker(prefix: str) -> None:
     client = aioredis.Redis.from_url(REDIS_URL)
     try:
-        await Coordinator(client, prefix).register_worker(WorkerInfo(
+        await Coordinator(client, prefix, run=RUN).register_worker(WorkerInfo(
             worker_id="w-cli", engine="native", kv_policy="rkv", kv_budget=32, weight_version=1,
             tokens_per_s=321.0, leases=2, url="http://127.0.0.1:1"))
     finally:

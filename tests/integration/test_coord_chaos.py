@@ -29,11 +29,12 @@ KILLS = 8
 SETTINGS = CoordSettings(lease_ttl_s=0.5, max_attempts=50, max_queue=GROUPS)
 STALL_PROBABILITY = 0.01  # a worker sometimes stalls past its lease, then still completes
 REPO_ROOT = Path(__file__).resolve().parents[2]
+RUN = "chaos"
 
 
 async def run_worker(redis_url: str, prefix: str, worker_id: str, seed: int) -> None:
     client = aioredis.from_url(redis_url)
-    coord = Coordinator(client, prefix, SETTINGS)
+    coord = Coordinator(client, prefix, SETTINGS, run=RUN)
     rng = random.Random(seed)
     while True:
         leases = await coord.claim(worker_id, rng.randint(1, 8), block_ms=200)
@@ -105,7 +106,7 @@ class Fleet:
 async def test_sigkilled_workers_complete_every_group_exactly_once(redis_url: str, redis_prefix: str) -> None:
     rng = random.Random(1234)
     client = aioredis.from_url(redis_url)
-    coord = Coordinator(client, redis_prefix, SETTINGS)
+    coord = Coordinator(client, redis_prefix, SETTINGS, run=RUN)
     ids = [f"g{i:04d}" for i in range(GROUPS)]
     await coord.enqueue([PromptGroup(id=i, task="addition", prompt=f"{i}=", samples=1) for i in ids])
     fleet = Fleet(redis_url, redis_prefix, rng, WORKERS + KILLS)

@@ -202,7 +202,7 @@ async def test_announcements_wake_waiters(tmp_path: Path, chain: Chain, redis_ur
             assert await waiters == [1, 1]
     head = redis.Redis.from_url(redis_url)
     try:
-        assert head.get(f"{redis_prefix}:registry:{RUN}:head") == b"1"
+        assert head.get(f"{redis_prefix}:{RUN}:registry-head") == b"1"
     finally:
         head.close()
 

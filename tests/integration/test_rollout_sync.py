@@ -125,6 +125,7 @@ def test_worker_killed_mid_batch_leaves_its_lease_to_be_reclaimed(
         "SPARSECAST_REDIS_PREFIX": redis_prefix,
         "SPARSECAST_REGISTRY_URL": "",
         "SPARSECAST_WORKER_ID": "doomed",
+        "SPARSECAST_RUN": "kill",
         "SPARSECAST_KV_POLICY": "dense",
         # A batch long enough to be killed in the middle: greedy on the fixture model never samples
         # EOS, so both samples run the full 4000 tokens (seconds, not the sub-second a sampled
@@ -139,7 +140,7 @@ def test_worker_killed_mid_batch_leaves_its_lease_to_be_reclaimed(
 
     async def scenario() -> None:
         redis = aioredis.Redis.from_url(redis_url)
-        coord = Coordinator(redis, redis_prefix, coord_settings)
+        coord = Coordinator(redis, redis_prefix, coord_settings, run="kill")
         try:
             await coord.enqueue([PromptGroup(id="g-kill", task="addition", prompt="123+456=", answer="579", samples=2)])
             deadline = time.monotonic() + 90
@@ -178,7 +179,7 @@ def test_worker_loop_completes_groups_with_rewards(
 
     async def read_trajectories() -> list:
         redis = aioredis.Redis.from_url(redis_url)
-        coord = Coordinator(redis, redis_prefix, settings.coord)
+        coord = Coordinator(redis, redis_prefix, settings.coord, run=settings.run)
         try:
             got: list = []
             deadline = time.monotonic() + 90
@@ -192,7 +193,7 @@ def test_worker_loop_completes_groups_with_rewards(
     async def enqueue() -> None:
         redis = aioredis.Redis.from_url(redis_url)
         try:
-            await Coordinator(redis, redis_prefix, settings.coord).enqueue(
+            await Coordinator(redis, redis_prefix, settings.coord, run=settings.run).enqueue(
                 [PromptGroup(id=f"g{i}", task="addition", prompt=f"{i}1+{i}2=", answer=str(23 + 20 * i), samples=3)
                  for i in range(3)])
         finally:
