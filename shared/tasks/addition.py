@@ -48,9 +48,14 @@ class AdditionTask(Task):
 
     def make_prompts(self, n: int, seed: int) -> list[tuple[str, str]]:
         rng = random.Random(seed)
+        # Digit counts cycle through the range from a random start: any `span` consecutive prompts
+        # hold each length once, so a batch's difficulty (and its reward) does not swing with the
+        # draw, and one prompt alone still gets a random length.
+        span = self.max_digits - self.min_digits + 1
+        start = rng.randrange(span)
         out = []
-        for _ in range(n):
-            digits = rng.randint(self.min_digits, self.max_digits)
+        for i in range(n):
+            digits = self.min_digits + (start + i) % span
             a, b = (rng.randrange(10 ** (digits - 1), 10**digits) for _ in range(2))
             out.append((f"add {a}+{b}\n", str(a + b)))
         return out

@@ -60,6 +60,14 @@ def test_addition_scratchpad_format_and_length():
     assert 30 <= min(lengths) and max(lengths) <= 70  # 3-6 digits: long enough for a KV budget of 16-32 to bite
 
 
+def test_addition_prompts_cycle_through_the_digit_counts():
+    task = get_task("addition", min_digits=3, max_digits=6)
+    digits = [len(p.split("+")[1]) - 1 for p, _ in task.make_prompts(12, seed=3)]
+    assert sorted(digits[:4]) == [3, 4, 5, 6] and digits[4:8] == digits[:4] == digits[8:]
+    firsts = {len(task.make_prompts(1, seed=s)[0][0].split("+")[1]) - 1 for s in range(40)}
+    assert firsts == {3, 4, 5, 6}  # one prompt alone still gets any length
+
+
 def test_running_scratchpad_restates_what_is_left():
     task = get_task("addition", min_digits=3, max_digits=5, scratchpad="running")
     assert task.demonstration("add 345+678\n", "1023") == "345+678:5+8+0=13\n34+67:4+7+1=12\n3+6:3+6+1=10\n=1023"
