@@ -310,6 +310,7 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
             "last": trainer.history[-1] if trainer and trainer.history else None,
             # Trajectories the trainer would not train on (sampling contract), by reason.
             "refused_trajectories": dict(trainer.refused) if trainer else {},
+            "heldout_baseline": trainer.eval_baseline if trainer else None,
         }
 
     @app.get("/v1/versions")

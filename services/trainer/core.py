@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
+from services.trainer.evaluation import evaluate
 from services.trainer.learner import Learner
 from services.trainer.ledger import GroupLedger
 from services.trainer.settings import TrainerSettings
@@ -37,6 +38,7 @@ from shared.patch import PatchHeader, extract_patch, fingerprint, read_header, s
 from shared.registry_client import RegistryClient, RegistryHTTPError
 from shared.retry import Outage, transient
 from shared.schemas import Trajectory
+from shared.tasks import get_task
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -44,6 +46,7 @@ T = TypeVar("T")
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json")
 LOOP = "trainer"  # the name of the step loop in Liveness
+EVAL_SEED = 424_242  # held-out prompts and their sampling: the same at every evaluation
 
 
 @dataclass
@@ -97,6 +100,7 @@ class Trainer:
         # are unsettled, so reconcile queues them again for a worker that samples as assumed).
         self.refused: dict[str, int] = {}
         self._refused_this_step = 0
+        self.eval_baseline: dict[str, float] | None = None  # held-out figures before the first step
         self.ledger = ledger or GroupLedger.in_dir(self.data_dir, settings.run)
         self._ledger_existed = self.ledger.existed
         self.held: set[str] = set()  # groups whose trajectories the trainer holds, not yet published
@@ -116,7 +120,6 @@ class Trainer:
 
     async def _registry(self, fn: Callable[[], Awaitable[T]]) -> T:
         return await self.health.registry.call(fn, self._stop, self.beat)
-
 
     # -- startup and resume --
 
@@ -151,7 +154,11 @@ class Trainer:
                 f"registry run {self.settings.run!r} is at v{latest.version} ({latest.fingerprint}) but the trainer "
                 f"holds v{self.version} ({fp}): use another run name or the matching checkpoint")
         await self._redis(self.maintain)
+        if self.settings.eval_every and self.step == 0:
+            self.eval_baseline = await asyncio.to_thread(self.evaluate)
+            log.info("held-out accuracy before training: %.3f", self.eval_baseline["heldout_accuracy"])
         self.state = "running"
+
     async def _publish_model_files(self) -> None:
         for name in MODEL_FILES:
             path = self.model_dir / name
@@ -315,7 +322,16 @@ class Trainer:
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, Any]:
         metrics = self.learner.train_step(trajectories, version=self.version)
         metrics["refused_trajectories"], self._refused_this_step = self._refused_this_step, 0
+        if self.settings.eval_every and self.step % self.settings.eval_every == 0:
+            metrics |= self.evaluate()
         return metrics
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out T = 1 accuracy of the current policy (dense cache) on the fixed eval prompts."""
+        task = get_task(self.settings.default_task)
+        prompts = task.make_prompts(self.settings.eval_prompts, seed=EVAL_SEED)
+        result = evaluate(self.learner.model, self.tokenizer, task, prompts, sample=True, seed=EVAL_SEED)
+        return {"heldout_accuracy": result["accuracy"], "heldout_reward": result["mean_reward"]}
 
     # -- publishing --
 

@@ -56,6 +56,11 @@ class TrainerSettings(BaseSettings):
     # the better samples of each group. A low-noise sign of learning where reward is noisy.
     measure_batch_gain: bool = False
     checkpoint_every: int = Field(default=10, ge=0, description="steps between automatic checkpoints; 0 = off")
+    # Held-out validation: every `eval_every` steps (and once before the first), the policy's T = 1
+    # accuracy with a dense cache on `eval_prompts` fixed prompts of the default task, in the step's
+    # metrics as heldout_accuracy / heldout_reward. 0 = off.
+    eval_every: int = Field(default=0, ge=0)
+    eval_prompts: int = Field(default=128, ge=1)
     snapshot_every: int = Field(default=0, ge=0, description="trainer-side snapshots; the registry also makes them")
     seed: int = 0
     # Request limits of POST /v1/prompts (a 10 MB prompt used to freeze every worker that claimed

@@ -162,3 +162,15 @@ def test_trainer_refuses_trajectories_sampled_otherwise(tiny_model_dir: str, tmp
     metrics = trainer.train_step([good])
     assert metrics["refused_trajectories"] == 4
     assert trainer.train_step([good])["refused_trajectories"] == 0
+
+
+def test_heldout_evaluation_is_repeatable_and_reported_on_schedule(tiny_model_dir: str, tmp_path: Path) -> None:
+    trainer = _trainer(tiny_model_dir, tmp_path, eval_every=2, eval_prompts=8)
+    rng = torch.get_rng_state()
+    first, again = trainer.evaluate(), trainer.evaluate()
+    assert first == again  # fixed prompts and sampling seed
+    assert torch.equal(torch.get_rng_state(), rng)  # the trainer's own random stream is untouched
+    assert set(first) == {"heldout_accuracy", "heldout_reward"} and 0 <= first["heldout_reward"] <= 1
+    trajectories = _trajectories(vocab=90)
+    assert "heldout_accuracy" not in trainer.train_step(trajectories)  # step 1
+    assert "heldout_accuracy" in trainer.train_step(trajectories)  # step 2
