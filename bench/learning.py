@@ -110,12 +110,12 @@ GPU_RECIPE = WarmstartRecipe(
     task_options={"addition": {"min_digits": 6, "max_digits": 12}},
     model_overrides={"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 6,
                      "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32},
-    eval_prompts=256, sampled_target=0.35, check_every=250,
+    eval_prompts=256, sampled_target=0.35, check_every=250, check_from=0,
 )
 PRESETS: dict[str, LearningConfig] = {
     "gpu": LearningConfig(recipe=GPU_RECIPE, device="cuda", steps=150, groups=64, samples=8, lr=1e-4),
-    # The whole pipeline on a CPU in a few minutes: the demo's warm start, tiny batches.
-    "smoke": LearningConfig(recipe=WarmstartRecipe(), steps=3, groups=4, samples=4, lr=3e-5, kv_budgets=[16, 32],
+    # The whole pipeline on a CPU in a minute or two: a 60-step warm start of the demo's shape, tiny batches.
+    "smoke": LearningConfig(recipe=WarmstartRecipe(steps=60, sampled_target=None, eval_prompts=16), steps=3, groups=4, samples=4, lr=3e-5, kv_budgets=[16, 32],
                             kv_buffer=8, calibration_prompts=32, eval_every=2, eval_prompts=32, eval_batch=32,
                             threads=1),
 }
