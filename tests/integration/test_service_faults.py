@@ -262,7 +262,7 @@ def test_a_group_whose_reward_raises_fails_alone(tmp_path: Path, tiny_model_dir:
     assert alive == 200
     assert stats["failures"] == 4 and stats["failed_groups"] == 2 and stats["leases_pending"] == 0
     reasons = {d["group_id"]: d["reason"] for d in dead}
-    assert reasons["bad-answer"].startswith("failed: 2 attempts; last error: ValueError: countdown answer must look")
+    assert reasons["bad-answer"].startswith("failed: 2 attempts; last error: ValueError: a countdown answer looks like")
     assert reasons["no-answer"].startswith("failed: 2 attempts; last error: ValueError")
     assert failures["bad-answer"].startswith("2 w-poison: ValueError")
     assert metric(worker_metrics, "rollout_group_failures") == 4
