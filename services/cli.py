@@ -278,13 +278,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from services.demo import DemoOptions, run_demo
 
-    options = DemoOptions(
+    given = dict(
         steps=args.steps, workers=args.workers, kv_policy=args.kv_policy, kv_budget=args.kv_budget,
         groups_per_step=args.groups, samples_per_prompt=args.samples, keep_running=args.keep_running,
         folder=Path(args.dir), model=args.model, lr=args.lr, token=args.token, device=args.device,
-        kv_buffer=args.kv_buffer, digits=args.digits, report=Path(args.report) if args.report else None,
+        kv_buffer=args.kv_buffer, kv_keep_prompt=args.kv_keep_prompt, digits=args.digits, seed=args.seed,
+        report=Path(args.report) if args.report else None,
     )
-    return run_demo(options)
+    # Options left out take DemoOptions' defaults: they are defined there once.
+    return run_demo(DemoOptions(**{k: v for k, v in given.items() if v is not None}))
 
 
 # -- the parser --
@@ -295,6 +297,12 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def demo_defaults() -> Any:
+    from services.demo import DemoOptions  # rich and httpx only: cheap to import for --help
+
+    return DemoOptions()
 
 
 def _digit_range(text: str) -> tuple[int, int]:
@@ -329,16 +337,22 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start Redis, the registry, the trainer and rollout workers as local processes, train the "
                     "warm-started tiny model on the addition task, show live progress, print a summary. "
                     "Ctrl-C stops every process it started.")
-    demo.add_argument("--steps", type=_positive, default=15, help="training steps (default %(default)s)")
-    demo.add_argument("--workers", type=_positive, default=2, help="rollout workers (default %(default)s)")
-    demo.add_argument("--kv-policy", default="rkv", choices=["dense", "streaming", "snapkv", "h2o", "rkv"],
-                      help="KV-cache policy of the workers (default %(default)s)")
-    demo.add_argument("--kv-budget", type=_positive, default=32,
-                      help="KV tokens kept per sequence by sparse policies (default %(default)s)")
-    demo.add_argument("--groups", type=_positive, default=8, help="prompt groups per step (default %(default)s)")
-    demo.add_argument("--samples", type=_positive, default=8, help="samples per prompt (default %(default)s)")
-    demo.add_argument("--lr", type=float, default=3e-5,
-                      help="trainer learning rate (default %(default)s: the best of docs/training.md's RL-check sweep)")
+    defaults = demo_defaults()
+    demo.add_argument("--steps", type=_positive, help=f"training steps (default {defaults.steps})")
+    demo.add_argument("--workers", type=_positive, help=f"rollout workers (default {defaults.workers})")
+    demo.add_argument("--kv-policy", choices=["dense", "streaming", "snapkv", "h2o", "rkv"],
+                      help=f"KV-cache policy of the workers (default {defaults.kv_policy})")
+    demo.add_argument("--kv-budget", type=_positive,
+                      help=f"KV tokens kept per sequence by sparse policies (default {defaults.kv_budget})")
+    demo.add_argument("--kv-buffer", type=_positive,
+                      help=f"tokens generated between re-compressions (default {defaults.kv_buffer})")
+    demo.add_argument("--kv-keep-prompt", action=argparse.BooleanOptionalAction,
+                      help="never evict the prompt; the budget then counts generated tokens only "
+                           f"(default {'on' if defaults.kv_keep_prompt else 'off'}: Sparse-RL's semantics)")
+    demo.add_argument("--groups", type=_positive, help=f"prompt groups per step (default {defaults.groups_per_step})")
+    demo.add_argument("--samples", type=_positive, help=f"samples per prompt (default {defaults.samples_per_prompt})")
+    demo.add_argument("--lr", type=float, help=f"trainer learning rate (default {defaults.lr})")
+    demo.add_argument("--seed", type=int, help=f"trainer and prompt seed (default {defaults.seed})")
     demo.add_argument("--keep-running", action="store_true",
                       help="after the last step keep the stack (and the dashboard) up until Ctrl-C")
     demo.add_argument("--dir", default="data/demo", help="folder for logs and the store (default %(default)s)")
@@ -346,13 +360,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="'tiny-demo' (the cached warm-start model) or a HF model folder (default %(default)s)")
     demo.add_argument("--token", default=os.environ.get("SPARSECAST_API_TOKEN") or None,
                       help="API token for the stack (env SPARSECAST_API_TOKEN; default: a random one)")
-    demo.add_argument("--device", default="cpu", help="device of the trainer and the workers: cpu, cuda, cuda:N "
-                                                      "(default %(default)s)")
-    demo.add_argument("--kv-buffer", type=_positive, default=None,
-                      help="tokens generated between re-compressions (default: budget / 2)")
-    demo.add_argument("--digits", type=_digit_range, default=None, metavar="MIN-MAX",
+    demo.add_argument("--device", help=f"device of the trainer and the workers: cpu, cuda, cuda:N "
+                                       f"(default {defaults.device})")
+    demo.add_argument("--digits", type=_digit_range, metavar="MIN-MAX",
                       help="digits of the addition prompts, e.g. 6-12 (default: the task's own)")
-    demo.add_argument("--report", default=None, help="also write the run's history and summary as JSON here")
+    demo.add_argument("--report", help="also write the run's history and summary as JSON here")
     demo.set_defaults(func=cmd_demo)
 
     submit = sub.add_parser(

