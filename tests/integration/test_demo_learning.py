@@ -5,7 +5,9 @@ and the policy's held-out accuracy with a dense cache must rise too, without the
 throwing most of the batch away (issue 12's demo criteria; docs/training.md has the numbers).
 R-KV saves at least 40 % of the KV cache (46 % measured: budget 32 + buffer 2, prompt evictable).
 
-Slow (a few minutes per seed on 2 cores, plus the warm start the first time): `make test-slow`.
+Slow (a few minutes per seed on 2 cores, plus the warm start the first time): `make test-slow`, not
+in CI. The rise criterion holds with a thin margin: 6 of 7 measured runs gained ≥ 10 points, the
+seventh +9.3 (docs/training.md, "The demo"), so a three-seed run fails about one time in three.
 """
 
 from __future__ import annotations
