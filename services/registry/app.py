@@ -26,7 +26,7 @@ from services.registry.core import (
 )
 from services.registry.settings import RegistrySettings
 from shared.http import PROMETHEUS_TEXT, error_responses, install_error_handling
-from shared.registry_client import METRICS_HEADER, MODEL_FILES, Manifest, Plan
+from shared.registry.wire import METRICS_HEADER, MODEL_FILES, Manifest, Plan
 from shared.storage import ObjectStorage
 
 log = logging.getLogger(__name__)

@@ -44,7 +44,7 @@ from shared.patch import (
     snapshot_size,
     verify_chunks,
 )
-from shared.registry_client import MODEL_FILES, Manifest, ObjectRef, Plan, PlanStep
+from shared.registry.wire import MODEL_FILES, Manifest, ObjectRef, Plan, PlanStep
 from shared.storage import ObjectNotFound, ObjectStorage
 
 log = logging.getLogger(__name__)

@@ -43,7 +43,7 @@ from services.rollout.worker import RolloutWorker
 from shared.coord import Coordinator, connect
 from shared.health import HealthMetrics, Liveness
 from shared.http import PROMETHEUS_TEXT, error_responses, install_error_handling
-from shared.registry_client import RegistryClient
+from shared.registry.client import RegistryClient
 from shared.retry import Outage, transient
 from shared.schemas import one_line_error
 

@@ -27,7 +27,8 @@ from services.trainer.settings import TrainerSettings
 from shared.coord import Coordinator, QueueFull, connect
 from shared.health import HealthMetrics
 from shared.http import PROMETHEUS_TEXT, BodyLimit, error_responses, inline_schema, install_error_handling
-from shared.registry_client import RegistryClient, RegistryHTTPError
+from shared.registry.client import RegistryClient
+from shared.registry.errors import RegistryHTTPError
 from shared.retry import transient
 from shared.schemas import PromptGroup, Text, one_line_error
 from shared.tasks import get_task, list_tasks

@@ -35,7 +35,10 @@ from services.trainer.settings import TrainerSettings
 from shared.coord import Coordinator
 from shared.health import Liveness
 from shared.patch import PatchHeader, extract_patch, fingerprint, read_header, save_snapshot
-from shared.registry_client import RegistryClient, RegistryHTTPError
+from shared.registry.client import RegistryClient
+from shared.registry.errors import RegistryHTTPError
+from shared.registry.sync import sync_weights
+from shared.registry.wire import MODEL_FILES
 from shared.retry import Outage, transient
 from shared.schemas import Trajectory
 from shared.tasks import get_task
@@ -43,8 +46,6 @@ from shared.tasks import get_task
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json")
 LOOP = "trainer"  # the name of the step loop in Liveness
 EVAL_SEED = 424_242  # held-out prompts and their sampling: the same at every evaluation
 
@@ -147,7 +148,7 @@ class Trainer:
                         self.version)
             state = self._cpu(self.published)
             base = self.version if self.version or self.step else None
-            result = await self._registry(lambda: self.registry.sync_to(state, base, latest.version))
+            result = await self._registry(lambda: sync_weights(self.registry, state, base, latest.version))
             self._load_published(state, result.version)
         else:
             raise RuntimeError(
