@@ -20,6 +20,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from shared.kv import KV_POLICIES
+
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -340,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = demo_defaults()
     demo.add_argument("--steps", type=_positive, help=f"training steps (default {defaults.steps})")
     demo.add_argument("--workers", type=_positive, help=f"rollout workers (default {defaults.workers})")
-    demo.add_argument("--kv-policy", choices=["dense", "streaming", "snapkv", "h2o", "rkv"],
+    demo.add_argument("--kv-policy", choices=KV_POLICIES,
                       help=f"KV-cache policy of the workers (default {defaults.kv_policy})")
     demo.add_argument("--kv-budget", type=_positive,
                       help=f"KV tokens kept per sequence by sparse policies (default {defaults.kv_budget})")

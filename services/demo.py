@@ -64,12 +64,17 @@ class Interrupted(Exception):
     """SIGINT or SIGTERM arrived."""
 
 
+# The demo's KV budget: addition answers are 42-103 tokens, so Sparse-RL's 512 would never evict.
+# The deployments' CPU defaults (compose, kustomize, helm) are held to it by tests/unit/test_kv_contract.py.
+DEMO_KV_BUDGET = 32
+
+
 @dataclass
 class DemoOptions:
     steps: int = 60
     workers: int = 2
     kv_policy: str = "rkv"
-    kv_budget: int = 32
+    kv_budget: int = DEMO_KV_BUDGET
     groups_per_step: int = 16
     samples_per_prompt: int = 8
     keep_running: bool = False

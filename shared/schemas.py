@@ -110,6 +110,8 @@ class WorkerInfo(BaseModel):
     download_mbps: float = Field(default=0.0, ge=0.0)  # measured patch download bandwidth
     leases: int = Field(default=0, ge=0)
     url: str | None = None
+    # How it samples (the trainer flags a worker whose sampling it would refuse, shared.agreement).
+    sampling: SamplingInfo | None = None
     updated_at: float = Field(default_factory=time.time)
 
 

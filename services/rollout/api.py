@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from shared.kv import Policy
 from shared.schemas import KVStats, Text
-
-Policy = Literal["dense", "streaming", "snapkv", "h2o", "rkv"]
 
 
 class GenerateRequest(BaseModel):

@@ -40,6 +40,7 @@ from services.rollout.sync import (
 )
 from services.rollout.worker import LOOP as WORKER_LOOP
 from services.rollout.worker import RolloutWorker
+from shared.agreement import kv_policy_refusal
 from shared.coord import Coordinator, connect
 from shared.health import HealthMetrics, Liveness
 from shared.http import PROMETHEUS_TEXT, error_responses, install_error_handling
@@ -103,7 +104,7 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
         if settings.registry_url:
             bps = settings.sync_bandwidth_mbps * 1e6 if settings.sync_bandwidth_mbps else None
             client = RegistryClient(settings.registry_url, settings.run, streams=settings.sync_streams,
-                                    bandwidth_bps=bps, redis_url=settings.redis_url or None,
+                                    bandwidth_bps=bps, redis_url=settings.redis_url,
                                     redis_prefix=settings.redis_prefix)
         if settings.redis_url:
             state["redis"] = connect(settings.redis_url)
@@ -192,8 +193,8 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
     async def generate(req: GenerateRequest, core: RolloutCore = Depends(get_core)) -> GenerateResponse:
         prompts = req.prompt_ids if req.prompt_ids is not None else [core.encode(t) for t in req.prompts or []]
         check_budget(core, len(prompts) * req.n, req.max_tokens)
-        if core.engine.name == "vllm" and (req.kv_policy or "dense") != "dense":
-            raise HTTPException(400, f"kv_policy {req.kv_policy!r} needs the native engine; this worker runs vllm (dense)")
+        if refusal := kv_policy_refusal(core.engine.name, req.kv_policy):
+            raise HTTPException(400, refusal)
         try:
             core.check_lengths(prompts, req.max_tokens)
             kv = core.kv_config(req.kv_policy, req.kv_budget, **req.kv)
@@ -265,7 +266,7 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
         return WeightsInfo(version=w.version, fingerprint=w.fingerprint, sync_state=w.sync_state,
                            last_error=w.last_error, last_sync=w.last_sync, engine=core.engine.name,
                            history=list(sync.history) if sync else [],
-                           registry_url=settings.registry_url or None)
+                           registry_url=settings.registry_url)
 
     @app.get("/healthz")
     async def healthz(response: Response) -> dict:

@@ -24,6 +24,7 @@ from services.rollout.core import Batch, RolloutCore
 from services.rollout.engine.config import GenerationOutput, SamplingParams
 from services.rollout.settings import RolloutSettings
 from services.rollout.sync import WeightSync
+from shared.agreement import served_kv_policy
 from shared.coord import Coordinator, Lease
 from shared.health import Liveness
 from shared.retry import Outage, transient
@@ -64,7 +65,7 @@ class RolloutWorker:
 
     def info(self) -> WorkerInfo:
         core, s = self.core, self.settings
-        kv_policy = "dense" if core.engine.name == "vllm" else s.kv_policy
+        kv_policy = served_kv_policy(core.engine.name, s.kv_policy)
         return WorkerInfo(
             worker_id=s.worker_id,
             engine=core.engine.name,
@@ -75,6 +76,7 @@ class RolloutWorker:
             download_mbps=self.sync.download_mbps if self.sync else 0.0,
             leases=len(self.held),
             url=s.advertise_url or None,
+            sampling=self._sampling(),
         )
 
     async def heartbeat(self, stop: asyncio.Event) -> None:

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from services.trainer.core import LOOP, Trainer, TrainerHealth
 from services.trainer.ledger import GroupLedger
 from services.trainer.settings import TrainerSettings
+from shared.agreement import sampling_mismatch
 from shared.coord import Coordinator, QueueFull, connect
 from shared.health import HealthMetrics
 from shared.http import PROMETHEUS_TEXT, BodyLimit, error_responses, inline_schema, install_error_handling
@@ -300,7 +301,9 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
             "version": trainer.version if trainer else None,
             "max_steps": settings.max_steps,
             "queue": stats,
-            "workers": [w.model_dump() for w in workers],
+            # A worker whose samples this trainer would refuse says why (shared.agreement).
+            "workers": [w.model_dump() | {"disagreement": sampling_mismatch(settings, w.sampling)}
+                        for w in workers],
             "redis_error": redis_error,
             "dependencies": {"redis": health.redis.state(), "registry": health.registry.state()},
             "faults": {
