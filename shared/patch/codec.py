@@ -27,7 +27,7 @@ from shared.dtypes import DTYPES
 
 from .errors import CorruptPatchError, FormatError, TensorMismatchError, UnknownTensorError
 from .fingerprint import fingerprint
-from .format import WIDTHS, PatchHeader, Stream, TensorEntry, write_patch
+from .format import WIDTHS, EncodedTensor, PatchHeader, Stream, TensorEntry, write_patch
 
 Encoding = Literal["auto", "values", "bitdelta"]
 ENCODINGS = ("values", "bitdelta")
@@ -170,21 +170,6 @@ def decompress(data: bytes | memoryview, raw_length: int, what: str) -> bytes:
     if len(out) != raw_length:
         raise CorruptPatchError(f"{what}: {len(out)} bytes decoded, header says {raw_length}")
     return out
-
-
-@dataclass
-class EncodedTensor:
-    """One tensor's streams, ready to be laid out by format.write_patch."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    encoding: str
-    count: int
-    index: bytes
-    index_raw_length: int
-    payload: bytes
-    payload_raw_length: int
 
 
 @dataclass

@@ -71,7 +71,7 @@ def _env(manifest: Path, name: str) -> str:
 
 
 def test_deployment_kv_defaults_are_the_demo_and_sparse_rl_ones() -> None:
-    from services.demo import DEMO_KV_BUDGET, DemoOptions
+    from services.demo.options import DEMO_KV_BUDGET, DemoOptions
 
     root = CHART.parents[2]
     assert DemoOptions().kv_budget == DEMO_KV_BUDGET == 32
