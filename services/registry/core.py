@@ -35,7 +35,7 @@ from services.registry.merge import Merger
 from services.registry.metrics import RegistryMetrics
 from services.registry.planner import cheapest_plan
 from services.registry.retention import retain
-from services.registry.runs import RunState, object_ref, piece_hashes
+from services.registry.runs import RunState, object_ref, piece_hashes, stored
 from services.registry.settings import RegistrySettings
 from shared.coord.keys import Keys
 from shared.patch import apply_patch, load_snapshot, read_header, save_snapshot, verify_chunks
@@ -113,7 +113,7 @@ class Registry:
                         state.merged[(a, b)] = ref
                 self._runs[run] = state
                 if state.head is not None:
-                    self.metrics.head.labels(run).set(state.head)
+                    self.metrics.head.labels(run).set(manifest.version if state.head is None else state.head)
         return self._runs[run]
 
     async def idle(self) -> None:
@@ -165,7 +165,7 @@ class Registry:
     async def _commit(self, run: str, state: RunState, manifest: Manifest) -> None:
         await self.storage.put(f"{run}/manifests/{manifest.version}.json", manifest.model_dump_json().encode())
         state.manifests[manifest.version] = manifest
-        self.metrics.head.labels(run).set(state.head)
+        self.metrics.head.labels(run).set(max(state.manifests))
 
     async def publish_patch(self, run: str, version: int, data: bytes, metrics: dict[str, Any]) -> Manifest:
         state = await self._run(run)
@@ -289,10 +289,10 @@ class Registry:
         base = max((s for s in state.snapshots() if s <= version), default=None)
         if base is None:
             raise NotFound(f"no snapshot at or below version {version} of run {run!r}")
-        snapshot = await self._read_verified(run, state.manifests[base].snapshot)
+        snapshot = await self._read_verified(run, stored(state.manifests[base].snapshot, 'snapshot'))
         tensors, _ = await asyncio.to_thread(load_snapshot, snapshot)
         for v in range(base + 1, version + 1):
-            blob = await self._read_verified(run, state.manifests[v].patch)
+            blob = await self._read_verified(run, stored(state.manifests[v].patch, 'patch'))
             await asyncio.to_thread(apply_patch, tensors, blob, verify=True)
         return tensors
 

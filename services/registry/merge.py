@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 import torch
 
 from services.registry.metrics import RegistryMetrics
-from services.registry.runs import SNAPSHOT_LAG, RunState, object_ref
+from services.registry.runs import SNAPSHOT_LAG, RunState, object_ref, stored
 from services.registry.settings import RegistrySettings
 from shared.patch import PatchError, merge_patches
 from shared.registry.wire import ObjectRef
@@ -73,7 +73,7 @@ class Merger:
                 chain = state.chain(a, b)
                 if chain is None:
                     return None
-                blobs = [await self.read_verified(run, m.patch) for m in chain]
+                blobs = [await self.read_verified(run, stored(m.patch, 'patch')) for m in chain]
                 try:
                     data = await asyncio.to_thread(merge_patches, blobs)
                 except PatchError:

@@ -6,7 +6,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from services.registry.errors import Invalid, NotFound
-from services.registry.runs import SNAPSHOT_LAG, RunState
+from services.registry.runs import SNAPSHOT_LAG, RunState, stored
 from services.registry.settings import RegistrySettings
 from shared.registry.wire import Manifest, ObjectRef, Plan, PlanStep
 
@@ -32,7 +32,7 @@ async def cheapest_plan(run: str, state: RunState, target: Manifest, from_versio
     if a == b:
         candidates.append((0, 0, "none", []))
     elif a is not None and (chain := state.chain(a, b)) is not None:
-        steps = [patch_step(m.patch, m.version - 1, m) for m in chain]
+        steps = [patch_step(stored(m.patch, 'patch'), m.version - 1, m) for m in chain]
         candidates.append((sum(s.object.size for s in steps), 2, "chain", steps))
         if 2 <= b - a <= settings.max_merge_lag:
             merged = await merged_for(a, b, b - a)
@@ -43,8 +43,9 @@ async def cheapest_plan(run: str, state: RunState, target: Manifest, from_versio
         if (chain := state.chain(s, b)) is None:
             continue
         snap = state.manifests[s]
-        first = PlanStep(kind="snapshot", object=snap.snapshot, base_version=None, target_version=s, fingerprint=snap.fingerprint)
-        steps = [first] + [patch_step(m.patch, m.version - 1, m) for m in chain]
+        snapshot_ref = stored(snap.snapshot, 'snapshot')
+        first = PlanStep(kind="snapshot", object=snapshot_ref, base_version=None, target_version=s, fingerprint=snap.fingerprint)
+        steps = [first] + [patch_step(stored(m.patch, 'patch'), m.version - 1, m) for m in chain]
         candidates.append((sum(st.object.size for st in steps), 3, "snapshot", steps))
         # For a worker with no usable patch path, one merged patch from the newest snapshot
         # can replace the chain (fewer bytes, one apply). Not built otherwise: a patch path
@@ -53,7 +54,7 @@ async def cheapest_plan(run: str, state: RunState, target: Manifest, from_versio
         if not patch_path and s == snapshots[-1] and 2 <= b - s <= settings.max_merge_lag:
             merged = await merged_for(s, b, SNAPSHOT_LAG)
             if merged is not None:
-                candidates.append((snap.snapshot.size + merged.size, 3, "snapshot", [first, patch_step(merged, s, target)]))
+                candidates.append((snapshot_ref.size + merged.size, 3, "snapshot", [first, patch_step(merged, s, target)]))
     if not candidates:
         raise NotFound(f"no snapshot or chain reaches version {b} of run {run!r}")
     total, _, kind, steps = min(candidates, key=lambda c: (c[0], c[1]))
@@ -61,6 +62,6 @@ async def cheapest_plan(run: str, state: RunState, target: Manifest, from_versio
     for step in steps:
         state.leases[step.object.key] = max(state.leases.get(step.object.key, 0.0), expiry)
     return Plan(
-        run=run, from_version=a, to_version=b, kind=kind, fingerprint=target.fingerprint,  # type: ignore[arg-type]
+        run=run, from_version=a, to_version=b, kind=kind, fingerprint=target.fingerprint,
         total_bytes=total, steps=steps, lease_s=settings.plan_lease_s,
     )

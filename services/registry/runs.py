@@ -17,6 +17,13 @@ def piece_hashes(data: bytes, piece_bytes: int) -> list[str]:
     return [hashlib.sha256(view[i : i + piece_bytes]).hexdigest() for i in range(0, len(data), piece_bytes)]
 
 
+def stored(ref: ObjectRef | None, what: str) -> ObjectRef:
+    """A manifest's patch or snapshot reference that the caller knows is there."""
+    if ref is None:
+        raise LookupError(f"{what} has no stored object")
+    return ref
+
+
 def object_ref(key: str, data: bytes, piece_bytes: int) -> ObjectRef:
     """The reference to a stored object: its size and the sha256 of each piece."""
     return ObjectRef(key=key, size=len(data), piece_bytes=piece_bytes, pieces=piece_hashes(data, piece_bytes))
@@ -44,4 +51,5 @@ class RunState:
         if b - a > len(self.manifests):  # cannot all be retained: answer without walking b−a
             return None
         chain = [self.manifests.get(v) for v in range(a + 1, b + 1)]
-        return chain if all(m is not None and m.patch is not None for m in chain) else None  # type: ignore[misc]
+        return [m for m in chain if m is not None and m.patch is not None] if all(
+            m is not None and m.patch is not None for m in chain) else None

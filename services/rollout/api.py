@@ -91,7 +91,7 @@ class CompletionRequest(BaseModel):
         if isinstance(p, str):
             return [p]
         if p and all(isinstance(x, int) for x in p):
-            return [p]  # type: ignore[list-item]
+            return [p]  # type: ignore[return-value]
         return p  # type: ignore[return-value]
 
     def stops(self) -> list[str]:

@@ -120,7 +120,8 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
                         await check_run_ready(client)
                     if state["core"] is None:
                         state["core"] = await build_core(settings, client)
-                    if state["core"].weights.version < 0:  # local weights that are no published version
+                    if state["core"].weights.version < 0 and client is not None:
+                        # local weights that are no published version
                         sync = WeightSync(state["core"], client, poll_s=settings.sync_poll_s)
                         await sync.sync_to(None)
                 except Exception as exc:
@@ -152,8 +153,8 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
         # The usual start (registry up, run published) completes here, so the server starts ready;
         # a model that cannot load fails the start-up at once, as before.
         await asyncio.wait({booting, asyncio.create_task(first_try.wait())}, return_when=asyncio.FIRST_COMPLETED)
-        if booting.done() and booting.exception() is not None:
-            raise booting.exception()
+        if booting.done() and (failure := booting.exception()) is not None:
+            raise failure
         if state["waiting"]:
             log.warning("rollout worker is up but not ready: %s", state["waiting"])
         try:
@@ -338,7 +339,7 @@ def _cut_at_stop(core: RolloutCore, ids: list[int], logprobs: list[float], finis
         return ids, logprobs, finish
     text = ""
     for n, token in enumerate(ids):
-        text += core.tokenizer.decode([token])
+        text += str(core.tokenizer.decode([token]))
         if any(s in text for s in stops):
             return ids[:n], logprobs[:n], "stop"
     return ids, logprobs, finish

@@ -102,7 +102,7 @@ class RolloutCore:
         return list(self.tokenizer(text).input_ids)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
     def kv_config(self, policy: str | None = None, budget: int | None = None, **extra: Any) -> KVConfig:
         if self.engine.name in DENSE_ONLY_ENGINES:

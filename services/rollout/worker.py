@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import time
@@ -156,7 +157,7 @@ class RolloutWorker:
                 await self._fail(lease, exc)
                 continue
             if reason:
-                await self._call(lambda lease=lease, reason=reason: self.coord.reject(lease, reason))
+                await self._call(functools.partial(self.coord.reject, lease, reason))
                 self.held.remove(lease)
                 continue
             runnable.append((lease, ids))

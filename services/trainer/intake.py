@@ -152,11 +152,11 @@ def parse_jsonl(raw: bytes) -> list[PromptIn]:
         line = raw[: exc.start].count(b"\n") + 1
         raise IntakeError(422, f"line {line}: not UTF-8 (byte {exc.start} of the upload: {exc.reason})") from exc
     items = []
-    for n, line in enumerate(text.split("\n"), start=1):  # JSONL lines end at \n only, not at U+2028
-        if not line.strip():
+    for n, row in enumerate(text.split("\n"), start=1):  # JSONL lines end at \n only, not at U+2028
+        if not row.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = json.loads(row)
         except json.JSONDecodeError as exc:
             raise IntakeError(422, f"line {n}: not JSON ({exc.msg})") from exc
         except RecursionError as exc:

@@ -57,7 +57,9 @@ class WarmstartRecipe(BaseModel):
     # 10 % each stayed at 0 % accuracy while costing a fifth of the SFT budget (docs/training.md).
     task_mix: dict[str, float] = Field(default_factory=lambda: {"addition": 1.0})
     # 3-6 digits: 32-63 token completions (so a KV budget of 16-32 bites) and ~0.4 s per SFT step.
-    task_options: dict[str, dict[str, int | str]] = Field(default_factory=lambda: {"addition": {"min_digits": 3, "max_digits": 6}})
+    task_options: dict[str, dict[str, int | str]] = Field(
+        default_factory=lambda: {"addition": {"min_digits": 3, "max_digits": 6}}  # type: ignore[arg-type]
+    )
     # Model: shared.modeling's "tiny" Qwen3 shape with the char vocab; `model_overrides` shrink it
     # further so SFT fits the two-minute CPU budget.
     shape: str = "tiny"
@@ -129,11 +131,12 @@ def _sft_batch(examples: list[tuple[str, str]], tokenizer: PreTrainedTokenizerFa
     label_ids = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])
     attention: torch.Tensor = (input_ids != pad).long()
     if local is not None and any(local):
-        q = torch.arange(width)[:, None]
-        k = torch.arange(width)[None, :]
-        prompt = torch.tensor(prompt_lengths)[:, None, None]
+        qpos = torch.arange(width)[:, None]
+        kpos = torch.arange(width)[None, :]
+        prompt_end = torch.tensor(prompt_lengths)[:, None, None]
         span = torch.tensor([window if flag else width for flag in local])[:, None, None]
-        allowed = (k <= q) & (attention.bool()[:, None, :] | (k == q)) & ((k < prompt) | (k > q - span))
+        allowed = ((kpos <= qpos) & (attention.bool()[:, None, :] | (kpos == qpos))
+                   & ((kpos < prompt_end) | (kpos > qpos - span)))
         attention = allowed[:, None]  # [B, 1, T, T]
     return {"input_ids": input_ids, "attention_mask": attention, "labels": label_ids}
 

@@ -212,8 +212,10 @@ class Downloader:
                     download, first, last = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                await self._receive(download, first, last,
-                                    lambda i, d=download: group.create_task(self._verify_piece(d, i)))
+                def verify(i: int, d: _Download = download) -> None:
+                    group.create_task(self._verify_piece(d, i))
+
+                await self._receive(download, first, last, verify)
 
         try:
             async with asyncio.TaskGroup() as group:

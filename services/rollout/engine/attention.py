@@ -26,8 +26,8 @@ class CacheAttention:
 
     def __init__(self, cache: KVCache) -> None:
         self.cache = cache
-        self._prefill_mask: torch.Tensor | None = None
-        self._prefill_lengths: torch.Tensor | None = None
+        self._prefill_mask = torch.empty(0, dtype=torch.bool)
+        self._prefill_lengths = torch.empty(0, dtype=torch.long)
         self._slot: int | None = None
         self._rows = self._slots = torch.empty(0)
         self._span = 0
@@ -111,6 +111,7 @@ class CacheAttention:
             # reshape, not view: CUDA's memory-efficient kernel returns [B, Hkv, G, D] with the G
             # queries outermost in memory (fp32 on an H200), which no view can merge into Hq.
             return out.reshape(b, c.num_heads, 1, c.head_dim)
+        assert self._decode_mask is not None  # begin_decode makes one whenever attention is accumulated
         probs = grouped_probs(q, keys, self._decode_mask[:, :, None])  # [B, Hkv, G, 1, S]
         c.attn_acc[layer, :, :, : self._span] += probs[:, :, :, 0].mean(dim=2)
         out = torch.matmul(probs.to(values.dtype), values[:, :, None])  # [B, Hkv, G, 1, D]
