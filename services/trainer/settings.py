@@ -59,8 +59,8 @@ class TrainerSettings(ModelServiceSettings):
     # SPARSECAST_SNAPSHOT_EVERY, which has the registry build them from the patches.
     upload_snapshot_every: int = Field(default=0, ge=0)
     seed: int = 0
-    # Request limits of POST /v1/prompts (a 10 MB prompt used to freeze every worker that claimed
-    # it): the body (413 over it, checked while it streams in) and each prompt's fields (422).
+    # Request limits of POST /v1/prompts (why: docs/coordination.md, "Bad input"): the body (413
+    # over it, checked while it streams in) and each prompt's fields (422).
     max_body_bytes: int = Field(default=32 << 20, ge=1)
     max_prompt_chars: int = Field(default=65_536, ge=1, description="~16k tokens of text")
     max_answer_chars: int = Field(default=4_096, ge=1)

@@ -1,6 +1,6 @@
-"""Issue 13, rows 5-7 of its table (bad input never stalls or breaks a run), over real HTTP with a
-real Redis: oversized and unscorable prompts, malformed text, object keys and uploads, and
-anonymous plans that used to build merged patches."""
+"""Bad input never stalls or breaks a run, over real HTTP with a real Redis: oversized and
+unscorable prompts, malformed text, object keys and uploads, and anonymous plans that must not
+build merged patches (docs/coordination.md, "Bad input")."""
 
 from __future__ import annotations
 
