@@ -2,7 +2,7 @@
 
 `KV_POLICIES` is the one list of names: the engine's `Policy` type, the worker's setting, the
 request body, the CLI's choices and the chart's schema take it from here or are tested against
-it (tests/unit/test_deploy_k8s.py). The defaults are Sparse-RL's R-KV setup (REFERENCE §1):
+it (tests/unit/deploy/test_deploy_k8s.py). The defaults are Sparse-RL's R-KV setup (REFERENCE §1):
 512 tokens kept, re-compressed every 128 decode steps.
 """
 

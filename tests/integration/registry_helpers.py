@@ -9,14 +9,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import torch
 
 from shared.patch import extract_patch, save_snapshot
+from tests.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 TOKEN = "test-token"
 
 

@@ -13,13 +13,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
 from shared.coord import Coordinator, CoordSettings
 from shared.schemas import PromptGroup, Trajectory
+from tests.paths import REPO_ROOT
 
 GROUPS = 1000
 WORKERS = 4
@@ -28,7 +28,7 @@ KILLS = 8
 # no group is dead-lettered just for meeting several kills.
 SETTINGS = CoordSettings(lease_ttl_s=0.5, max_attempts=50, max_queue=GROUPS)
 STALL_PROBABILITY = 0.01  # a worker sometimes stalls past its lease, then still completes
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = REPO_ROOT
 RUN = "chaos"
 
 

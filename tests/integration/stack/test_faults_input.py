@@ -27,7 +27,7 @@ from shared.patch import extract_patch, save_snapshot
 from shared.registry.client import RegistryClient
 from tests.conftest import REDIS_URL, serve_app
 from tests.integration.registry_helpers import TOKEN, make_chain, tiny_state
-from tests.integration.test_trainer_service import wait_ready
+from tests.integration.trainer.test_trainer_service import wait_ready
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 NDJSON = {"content-type": "application/x-ndjson"}

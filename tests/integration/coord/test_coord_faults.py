@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from shared.coord import CoordError, Coordinator, CoordSettings
 from shared.schemas import PromptGroup
 from tests.integration.conftest import CoordFactory
-from tests.integration.test_coord_queue import groups, trajectory
+from tests.integration.coord.test_coord_queue import groups, trajectory
 
 
 async def test_window_full_of_a_dead_workers_leases_is_reclaimed(make_coord: CoordFactory) -> None:

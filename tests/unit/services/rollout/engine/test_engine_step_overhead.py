@@ -7,7 +7,7 @@ import torch
 
 from services.rollout.engine import KVConfig, LLMEngine, SamplingParams, llm_engine
 from services.rollout.engine.kv_cache import KVCache
-from tests.unit.engine_helpers import one_thread, tiny_pair
+from tests.unit.services.rollout.engine.engine_helpers import one_thread, tiny_pair
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 

@@ -19,8 +19,9 @@ from services.rollout.engine.policies import POLICIES
 from services.rollout.settings import RolloutSettings
 from shared.agreement import DENSE_ONLY_ENGINES, kv_policy_refusal, served_kv_policy
 from shared.kv import DEFAULT_KV_BUDGET, DEFAULT_KV_BUFFER, KV_POLICIES, SPARSE_POLICIES
+from tests.paths import REPO_ROOT
 
-CHART = Path(__file__).resolve().parents[2] / "k8s" / "helm" / "sparsecast"
+CHART = REPO_ROOT / "k8s" / "helm" / "sparsecast"
 
 
 def _schema() -> dict:
@@ -73,7 +74,7 @@ def _env(manifest: Path, name: str) -> str:
 def test_deployment_kv_defaults_are_the_demo_and_sparse_rl_ones() -> None:
     from services.demo.options import DEMO_KV_BUDGET, DemoOptions
 
-    root = CHART.parents[2]
+    root = REPO_ROOT
     assert DemoOptions().kv_budget == DEMO_KV_BUDGET == 32
     compose = yaml.safe_load((root / "compose.yaml").read_text())["services"]
     cpu_env = next(s["environment"] for s in compose.values()

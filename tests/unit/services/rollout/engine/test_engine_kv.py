@@ -9,7 +9,7 @@ from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
 from services.rollout.engine.attention import CacheAttention
 from services.rollout.engine.kv_cache import KVCache, cache_capacity
 from services.rollout.engine.policies import key_redundancy
-from tests.unit.engine_helpers import one_thread, tiny_config
+from tests.unit.services.rollout.engine.engine_helpers import one_thread, tiny_config
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 

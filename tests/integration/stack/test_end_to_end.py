@@ -23,8 +23,9 @@ from services.trainer.warmstart import ensure_warmstart_model
 from shared.coord import CoordSettings
 from shared.tasks import get_task
 from tests.conftest import serve_app
+from tests.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 TOKEN = "e2e-token"
 
 # Fixed seeds (warm-start recipe, trainer seed 0, prompt seed, per-group sampling seeds), settings

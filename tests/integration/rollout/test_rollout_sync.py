@@ -26,8 +26,9 @@ from shared.coord import Coordinator, CoordSettings
 from shared.patch import extract_patch, fingerprint, save_snapshot
 from shared.schemas import PromptGroup
 from tests.conftest import free_port, serve_app
+from tests.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 TOKEN = "sync-test-token"
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 

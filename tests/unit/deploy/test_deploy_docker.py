@@ -24,7 +24,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.paths import REPO_ROOT
+
+ROOT = REPO_ROOT
 DOCKERFILES = sorted((ROOT / "docker").glob("Dockerfile.*"))
 
 # docker/ is not a package (the images run the probe as a script): load it by path.

@@ -6,7 +6,7 @@ its last step with no group lost, none trained twice, and every worker at the he
 
 The harness plays the orchestrator only where one would act: it restarts a killed worker (as
 Kubernetes or compose `restart:` do) and brings Redis and the registry back after their outage.
-`pytest -m chaos` runs it (a few minutes); `python -m tests.integration.test_chaos_soak` also writes
+`pytest -m chaos` runs it (a few minutes); `python -m tests.integration.stack.test_chaos_soak` also writes
 the figures to bench/results/chaos-soak-cpu.json.
 """
 
@@ -38,9 +38,10 @@ from shared.coord import Coordinator, CoordSettings, Keys
 from shared.schemas import PromptGroup
 from shared.tasks import get_task
 from tests.conftest import build_tiny_model_dir, free_port
+from tests.paths import REPO_ROOT
 from tests.private_redis import PrivateRedis
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 RUN = "soak"
 TOKEN = "soak-token"
 STEPS = 60

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
-from tests.unit.engine_helpers import VOCAB, one_thread, tiny_pair
+from tests.unit.services.rollout.engine.engine_helpers import VOCAB, one_thread, tiny_pair
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 

@@ -14,8 +14,9 @@ from services.registry.settings import RegistrySettings
 from services.rollout.settings import RolloutSettings
 from services.trainer.settings import TrainerSettings
 from shared.http import InsecureBind, is_loopback, require_token_off_loopback
+from tests.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 
 
 def clean_env(**extra: str) -> dict[str, str]:

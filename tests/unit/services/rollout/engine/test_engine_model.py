@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
 from services.rollout.models.decoder import DecoderLM, load_pretrained
-from tests.unit.engine_helpers import VOCAB, one_thread, tiny_config, tiny_pair
+from tests.unit.services.rollout.engine.engine_helpers import VOCAB, one_thread, tiny_config, tiny_pair
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
 

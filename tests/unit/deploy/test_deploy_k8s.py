@@ -21,7 +21,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.paths import REPO_ROOT
+
+ROOT = REPO_ROOT
 KUSTOMIZE = ROOT / "k8s" / "kustomize"
 CHART = ROOT / "k8s" / "helm" / "sparsecast"
 K8S_VERSION = "1.32.0"  # a version every current managed Kubernetes offers

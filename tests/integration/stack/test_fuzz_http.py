@@ -30,7 +30,7 @@ from services.trainer.app import create_app as create_trainer
 from services.trainer.settings import TrainerSettings
 from shared.coord import CoordSettings
 from tests.conftest import REDIS_URL, serve_app
-from tests.integration.test_trainer_service import wait_ready
+from tests.integration.trainer.test_trainer_service import wait_ready
 
 TOKEN = "fuzz-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -19,7 +19,9 @@ import jsonschema
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.paths import REPO_ROOT
+
+ROOT = REPO_ROOT
 COMPOSE = ROOT / "compose.yaml"
 SCHEMA = ROOT / "tests" / "data" / "compose-spec.json"
 CUDA_RESERVATION = {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}

@@ -14,8 +14,9 @@ import yaml
 from services.registry.settings import RegistrySettings
 from services.rollout.settings import RolloutSettings
 from services.trainer.settings import TrainerSettings
+from tests.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 NAME = re.compile(r"\bSPARSECAST_[A-Z0-9_]+\b")
 SETTINGS = (RegistrySettings, RolloutSettings, TrainerSettings)
 
