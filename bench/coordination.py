@@ -1,7 +1,8 @@
 """Coordination benchmark: `python -m bench.coordination [--workers 1 4 8] [--groups 20000]`.
 
 Measures claim + complete throughput (prompt groups per second) of shared.coord against a local
-Redis: by default a private redis-server started for the run (`--redis-url URL` uses another). Each worker is its own OS process with
+Redis: by default a private redis-server started for the run (`--redis-url URL` uses another). Each worker
+is its own OS process with
 its own connection, running the loop a rollout worker runs: claim a batch, then complete its
 groups, each an atomic Lua script: `per_group` awaits complete() for each group, `batched` sends
 the batch's completions in one pipelined round trip (complete_many(): a worker generates the
@@ -41,7 +42,9 @@ TARGET_GROUPS_PER_S = 5000  # issue 4: coordination must never be the bottleneck
 RUN = "bench"
 
 
-def make_trajectory(group: PromptGroup, worker_id: str, attempt: int, samples: int, tokens: int) -> Trajectory:
+def make_trajectory(
+    group: PromptGroup, worker_id: str, attempt: int, samples: int, tokens: int
+) -> Trajectory:
     sample = Sample(completion="x" * tokens, prompt_ids=list(range(16)), completion_ids=list(range(tokens)),
                     logprobs=[-0.5] * tokens, reward=1.0, correct=True, finish_reason="stop",
                     kv=KVStats(peak_tokens=16 + tokens, peak_bytes=1024, evicted=0))
@@ -59,7 +62,10 @@ async def _work(url: str, prefix: str, worker_id: str, mode: str, batch: int, sa
         await asyncio.sleep(0.001)
     cpu_start = time.process_time()
     while leases := await coord.claim(worker_id, batch):
-        done = [(lease, make_trajectory(lease.group, worker_id, lease.attempt, samples, tokens)) for lease in leases]
+        done = [
+            (lease, make_trajectory(lease.group, worker_id, lease.attempt, samples, tokens))
+            for lease in leases
+        ]
         if mode == "batched":
             await coord.complete_many(done)
         else:
@@ -108,8 +114,10 @@ async def run_config(url: str, workers: int, mode: str, groups: int, batch: int,
     coord = Coordinator(client, prefix, CoordSettings(max_queue=1 << 30), run=RUN)
     procs: list[Any] = []
     try:
-        payload = [PromptGroup(id=f"g{i}", task="addition", prompt=f"{i}+{i}=", answer=str(2 * i), samples=samples)
-                   for i in range(groups)]
+        payload = [
+            PromptGroup(id=f"g{i}", task="addition", prompt=f"{i}+{i}=", answer=str(2 * i), samples=samples)
+            for i in range(groups)
+        ]
         start = time.perf_counter()
         for i in range(0, groups, 500):
             await coord.enqueue(payload[i:i + 500])
@@ -117,9 +125,13 @@ async def run_config(url: str, workers: int, mode: str, groups: int, batch: int,
 
         ctx = mp.get_context("spawn")
         ready, go, cpu_seconds = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
-        procs += [ctx.Process(target=_worker_process,
-                             args=(url, prefix, f"w{i}", mode, batch, samples, tokens, ready, go, cpu_seconds))
-                 for i in range(workers)]
+        procs += [
+            ctx.Process(
+                target=_worker_process,
+                args=(url, prefix, f"w{i}", mode, batch, samples, tokens, ready, go, cpu_seconds),
+            )
+            for i in range(workers)
+        ]
         for p in procs:
             p.start()
         for _ in procs:
@@ -175,11 +187,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     results = []
     for mode in args.modes:
         for workers in args.workers:
-            row = await run_config(args.redis_url, workers, mode, args.groups, args.batch, args.samples, args.tokens)
+            row = await run_config(
+                args.redis_url, workers, mode, args.groups, args.batch, args.samples, args.tokens
+            )
             row["groups_per_ping"] = round(row["groups_per_s"] / ping_per_s, 3)
             # Cost of one group in PING units: portable across machines and load levels.
-            row["client_cpu_pings_per_group"] = round(row["client_cpu_us_per_group"] / baseline["client_cpu_us_per_ping"], 2)
-            row["server_cpu_pings_per_group"] = round(row["server_cpu_us_per_group"] / baseline["server_cpu_us_per_ping"], 2)
+            row["client_cpu_pings_per_group"] = round(
+                row["client_cpu_us_per_group"] / baseline["client_cpu_us_per_ping"], 2
+            )
+            row["server_cpu_pings_per_group"] = round(
+                row["server_cpu_us_per_group"] / baseline["server_cpu_us_per_ping"], 2
+            )
             row["meets_target"] = row["groups_per_s"] >= TARGET_GROUPS_PER_S
             results.append(row)
             print(json.dumps(row), flush=True)
@@ -234,17 +252,27 @@ def redis_server(url: str) -> Iterator[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--groups", type=int, default=20_000)
     parser.add_argument("--batch", type=int, default=8, help="groups per claim")
-    parser.add_argument("--modes", nargs="+", choices=["per_group", "batched"], default=["per_group", "batched"],
-                        help="complete() per group, or complete_many() per claimed batch")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=["per_group", "batched"],
+        default=["per_group", "batched"],
+        help="complete() per group, or complete_many() per claimed batch",
+    )
     parser.add_argument("--samples", type=int, default=2, help="samples per trajectory")
     parser.add_argument("--tokens", type=int, default=32, help="completion tokens per sample")
-    parser.add_argument("--redis-url", default="spawn",
-                        help='"spawn" (default): a private redis-server for the run, so server time per group '
-                             "counts only this benchmark; or the URL of an existing Redis")
+    parser.add_argument(
+        "--redis-url",
+        default="spawn",
+        help='"spawn" (default): a private redis-server for the run, so server time per group '
+        "counts only this benchmark; or the URL of an existing Redis",
+    )
     parser.add_argument("--device", default="cpu", help="names the result file only")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

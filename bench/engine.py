@@ -11,7 +11,8 @@ to the full length, so all runs do the same work).
    and each policy at budgets of `--fractions` (default 25% and 50%) of the generated length
    (keep_prompt; buffer = min(128, gen // 16), so a long run uses Sparse-RL's 128-step
    re-compression).
-3. Fixed KV memory (`--skip-fixed` skips it): the dense batch's KV bytes are the memory budget; each policy at the smallest
+3. Fixed KV memory (`--skip-fixed` skips it): the dense batch's KV bytes are the memory budget; each policy
+at the smallest
    fraction's budget runs the largest batch whose cache fits in it, and its tokens/s is compared to dense.
 
 Ratios are taken within one run on one device; sections 1 and 3 re-run dense next to their rows
@@ -20,8 +21,10 @@ runs). The JSON is rewritten after every row, so a run cut off by a time limit k
 measured ("complete": false until the end). It goes to bench/results/engine-<device>.json (CPU
 default) or engine-<device>-<shape>-gen<gen>.json for other shapes/lengths. GPU runs (the lead
 runs them; each fits ~8 minutes on an H200, see docs/engine.md):
-`python -m bench.engine --device cuda --shape 0.6b --gen 4096 --batch 32 --fractions 0.25 --policies rkv --reuse-dense`
-and `--shape 1.7b --gen 8192 --batch 16 --fractions 0.25 --policies rkv --reuse-dense --skip-transformers --skip-fixed`.
+`python -m bench.engine --device cuda --shape 0.6b --gen 4096 --batch 32 --fractions 0.25 --policies rkv
+--reuse-dense`
+and `--shape 1.7b --gen 8192 --batch 16 --fractions 0.25 --policies rkv --reuse-dense --skip-transformers
+--skip-fixed`.
 """
 
 from __future__ import annotations
@@ -110,23 +113,41 @@ def ops_per_decode_step(engine: LLMEngine, prompts: list[list[int]], kv: KVConfi
 
 
 # aten ops that only make views or read metadata (no kernel launch of their own).
-_VIEW_OPS = frozenset("""as_strided view transpose reshape slice select narrow unsqueeze squeeze expand t permute
-    _unsafe_view resolve_conj resolve_neg result_type empty empty_strided empty_like chunk split unbind detach alias
-    unflatten flatten lift_fresh _reshape_alias contiguous to type_as scalar_tensor""".split())
+_VIEW_OPS = frozenset(
+    """as_strided view transpose reshape slice select narrow unsqueeze squeeze expand t permute
+    _unsafe_view resolve_conj resolve_neg result_type empty empty_strided empty_like chunk split unbind
+    detach alias
+    unflatten flatten lift_fresh _reshape_alias contiguous to type_as scalar_tensor""".split()
+)
 
 
-def run_transformers(model: Qwen3ForCausalLM, prompts: list[list[int]], gen: int, device: torch.device) -> dict:
+def run_transformers(
+    model: Qwen3ForCausalLM, prompts: list[list[int]], gen: int, device: torch.device
+) -> dict:
     ids = torch.tensor(prompts, device=device)
 
     def generate() -> torch.Tensor:
         with torch.inference_mode():
-            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen, min_new_tokens=gen,
-                                  do_sample=False, eos_token_id=None, pad_token_id=0)
+            return model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=gen,
+                min_new_tokens=gen,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
 
     out, seconds, peak_device = _timed(device, generate)
     tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
-    return {"policy": "transformers.generate", "batch": len(prompts), "tokens": tokens,
-            "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1), "peak_device_bytes": peak_device}
+    return {
+        "policy": "transformers.generate",
+        "batch": len(prompts),
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "peak_device_bytes": peak_device,
+    }
 
 
 def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
@@ -151,13 +172,26 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     fixed: list[dict[str, Any]] = []
     result: dict[str, Any] = {
-        "benchmark": "engine", "complete": False,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "threads": torch.get_num_threads() if device.type == "cpu" else None,
-        "shape": args.shape, "dtype": dtype_name(dtype), "prompt_tokens": args.prompt,
-        "generated_tokens": gen, "batch": batch, "buffer": buffer, "fractions": fractions,
-        "reuse_dense": args.reuse_dense, "kv_bytes_per_token": engine.kv_bytes_per_token(),
-        "ops_per_decode_step": {}, "policies": rows, "fixed_kv_memory": fixed, "transformers_generate": None,
+        "benchmark": "engine",
+        "complete": False,
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads() if device.type == "cpu" else None,
+        "shape": args.shape,
+        "dtype": dtype_name(dtype),
+        "prompt_tokens": args.prompt,
+        "generated_tokens": gen,
+        "batch": batch,
+        "buffer": buffer,
+        "fractions": fractions,
+        "reuse_dense": args.reuse_dense,
+        "kv_bytes_per_token": engine.kv_bytes_per_token(),
+        "ops_per_decode_step": {},
+        "policies": rows,
+        "fixed_kv_memory": fixed,
+        "transformers_generate": None,
     }
 
     engine.generate(prompts[:2], SamplingParams(temperature=0.0, max_new_tokens=8), KVConfig())  # warm-up
@@ -193,7 +227,9 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
         del hf
         dense = dense_again()
         baseline["dense_tokens_per_s"] = dense["tokens_per_s"]
-        baseline["dense_tokens_per_s_vs_transformers"] = round(dense["tokens_per_s"] / baseline["tokens_per_s"], 3)
+        baseline["dense_tokens_per_s_vs_transformers"] = round(
+            dense["tokens_per_s"] / baseline["tokens_per_s"], 3
+        )
         print(json.dumps(baseline))
         result["transformers_generate"] = baseline
         save(result)
@@ -201,7 +237,9 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
     for fraction in fractions:  # against the latest dense run
 
         for policy in policies:
-            row = run_engine(engine, prompts, gen, KVConfig(policy=policy, budget=int(gen * fraction), buffer=buffer))
+            row = run_engine(
+                engine, prompts, gen, KVConfig(policy=policy, budget=int(gen * fraction), buffer=buffer)
+            )
             row["budget_fraction"] = fraction
             row["kv_vs_dense"] = round(row["kv_bytes_allocated"] / dense["kv_bytes_allocated"], 3)
             row["tokens_per_s_vs_dense"] = round(row["tokens_per_s"] / dense["tokens_per_s"], 3)
@@ -230,7 +268,9 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
     result["summary"] = {
         "smallest_budget_fraction": fractions[0],
         "worst_kv_vs_dense_at_smallest_budget": max(r["kv_vs_dense"] for r in smallest),
-        "best_tokens_per_s_vs_dense_at_equal_kv_memory": max((r["tokens_per_s_vs_dense"] for r in fixed), default=None),
+        "best_tokens_per_s_vs_dense_at_equal_kv_memory": max(
+            (r["tokens_per_s_vs_dense"] for r in fixed), default=None
+        ),
         "dense_vs_transformers_generate": baseline and baseline["dense_tokens_per_s_vs_transformers"],
     }
     return result

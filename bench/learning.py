@@ -72,7 +72,8 @@ CRITERIA = {
     "a": "RL helps: dense gains >= 15 points over its warm start",
     "b": "naive sparse ends >= 10 points below dense, or degrades while its mismatch (KL old||sampler) grows",
     "c": "Sparse-RL ends within 3 points of dense",
-    "d": "under sparse inference, Sparse-RL's sparse/dense accuracy ratio beats the dense-trained model's by >= 5 points",
+    "d": "under sparse inference, Sparse-RL's sparse/dense accuracy ratio beats the dense-trained model's "
+    "by >= 5 points",
 }
 
 
@@ -115,9 +116,20 @@ GPU_RECIPE = WarmstartRecipe(
 PRESETS: dict[str, LearningConfig] = {
     "gpu": LearningConfig(recipe=GPU_RECIPE, device="cuda", steps=150, groups=64, samples=8, lr=1e-4),
     # The whole pipeline on a CPU in a minute or two: a 60-step warm start of the demo's shape, tiny batches.
-    "smoke": LearningConfig(recipe=WarmstartRecipe(steps=60, sampled_target=None, eval_prompts=16), steps=3, groups=4, samples=4, lr=3e-5, kv_budgets=[16, 32],
-                            kv_buffer=8, calibration_prompts=32, eval_every=2, eval_prompts=32, eval_batch=32,
-                            threads=1),
+    "smoke": LearningConfig(
+        recipe=WarmstartRecipe(steps=60, sampled_target=None, eval_prompts=16),
+        steps=3,
+        groups=4,
+        samples=4,
+        lr=3e-5,
+        kv_budgets=[16, 32],
+        kv_buffer=8,
+        calibration_prompts=32,
+        eval_every=2,
+        eval_prompts=32,
+        eval_batch=32,
+        threads=1,
+    ),
 }
 
 
@@ -131,8 +143,17 @@ def sync_weights(learner: Learner, engine: LLMEngine) -> None:
         live[name].copy_(tensor)
 
 
-def generate(engine: LLMEngine, tokenizer: PreTrainedTokenizerBase, task: Task, prompts: list[str], samples: int,
-             kv: KVConfig, temperature: float, seed: int, batch: int) -> list[tuple[list[int], list]]:
+def generate(
+    engine: LLMEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    prompts: list[str],
+    samples: int,
+    kv: KVConfig,
+    temperature: float,
+    seed: int,
+    batch: int,
+) -> list[tuple[list[int], list]]:
     """(prompt ids, outputs) per prompt, `samples` outputs each, in engine batches of ≤ `batch` sequences."""
     ids = [tokenizer(p).input_ids for p in prompts]
     per_batch = max(1, batch // samples)
@@ -177,10 +198,19 @@ def rollout(engine: LLMEngine, tokenizer: PreTrainedTokenizerBase, task: Task, p
     results = generate(engine, tokenizer, task, [p for p, _ in pairs], cfg.samples, kv, cfg.temperature, seed,
                        batch=len(pairs) * cfg.samples)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    return [Trajectory(group_id=f"s{step}-{i}", attempt=1, policy_version=step, worker_id="bench", task=task.name,
-                       prompt=prompt, samples=score_samples(task, answer, prompt_ids, outputs, decode),
-                       sampling=sampling)
-            for i, ((prompt_ids, outputs), (prompt, answer)) in enumerate(zip(results, pairs, strict=True))]
+    return [
+        Trajectory(
+            group_id=f"s{step}-{i}",
+            attempt=1,
+            policy_version=step,
+            worker_id="bench",
+            task=task.name,
+            prompt=prompt,
+            samples=score_samples(task, answer, prompt_ids, outputs, decode),
+            sampling=sampling,
+        )
+        for i, ((prompt_ids, outputs), (prompt, answer)) in enumerate(zip(results, pairs, strict=True))
+    ]
 
 
 # -- one arm, in its own process --
@@ -212,16 +242,27 @@ def run_arm(cfg: LearningConfig, arm: str, seed: int, model_dir: Path, budget: i
         for step in range(cfg.steps + 1):
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 t0 = time.perf_counter()
-                emit({"type": "eval", "step": step, "modes": {
-                    f"{name}_{label}": evaluate(engine, tokenizer, task, held_out, kv, temperature, cfg.eval_batch)
-                    for name, kv in modes.items() for label, temperature in (("greedy", 0.0), ("t1", 1.0))},
-                    "seconds": time.perf_counter() - t0})
+                emit(
+                    {
+                        "type": "eval",
+                        "step": step,
+                        "modes": {
+                            f"{name}_{label}": evaluate(
+                                engine, tokenizer, task, held_out, kv, temperature, cfg.eval_batch
+                            )
+                            for name, kv in modes.items()
+                            for label, temperature in (("greedy", 0.0), ("t1", 1.0))
+                        },
+                        "seconds": time.perf_counter() - t0,
+                    }
+                )
             if step == cfg.steps:
                 break
             t0 = time.perf_counter()
             pairs = task.make_prompts(cfg.groups, seed=seed * TRAIN_SEED_STRIDE + step)
-            trajectories = rollout(engine, tokenizer, task, pairs, cfg, train_kv, seed * TRAIN_SEED_STRIDE + step,
-                                   step)
+            trajectories = rollout(
+                engine, tokenizer, task, pairs, cfg, train_kv, seed * TRAIN_SEED_STRIDE + step, step
+            )
             t_gen = time.perf_counter() - t0
             metrics = learner.train_step(trajectories, version=step)
             sync_weights(learner, engine)
@@ -241,7 +282,9 @@ def calibrate(cfg: LearningConfig, model_dir: Path) -> tuple[int, list[dict[str,
     dense = evaluate(engine, tokenizer, task, pairs, KVConfig(policy="dense"), 1.0, cfg.eval_batch)
     rows = [{"budget": 0, "policy": "dense", **dense}]
     for budget in cfg.kv_budgets:
-        sparse = evaluate(engine, tokenizer, task, pairs, eval_modes(budget, cfg)["sparse"], 1.0, cfg.eval_batch)
+        sparse = evaluate(
+            engine, tokenizer, task, pairs, eval_modes(budget, cfg)["sparse"], 1.0, cfg.eval_batch
+        )
         ratio = sparse["accuracy"] / dense["accuracy"] if dense["accuracy"] else 0.0
         rows.append({"budget": budget, "policy": "rkv", **sparse, "ratio": ratio})
     low, high = cfg.target_ratio
@@ -261,20 +304,49 @@ def summarise(arms: dict[str, list[list[dict[str, Any]]]]) -> dict[str, Any]:
         evals = [[r for r in rows if r["type"] == "eval"] for rows in runs]
         steps = [[r for r in rows if r["type"] == "step"] for rows in runs]
         at = sorted({e["step"] for e in evals[0]})
-        curve = {mode: [_mean([next(e["modes"][mode]["accuracy"] for e in run if e["step"] == s) for run in evals
-                               if any(e["step"] == s for e in run)]) for s in at]
-                 for mode in evals[0][0]["modes"]}
+        curve = {
+            mode: [
+                _mean(
+                    [
+                        next(e["modes"][mode]["accuracy"] for e in run if e["step"] == s)
+                        for run in evals
+                        if any(e["step"] == s for e in run)
+                    ]
+                )
+                for s in at
+            ]
+            for mode in evals[0][0]["modes"]
+        }
         final = {mode: [run[-1]["modes"][mode]["accuracy"] for run in evals] for mode in evals[0][0]["modes"]}
         third = max(1, len(steps[0]) // 3)
-        per_step = {key: {"first_third": _mean([r[key] for run in steps for r in run[:third]]),
-                          "last_third": _mean([r[key] for run in steps for r in run[-third:]])}
-                    for key in ("reward_mean", "accuracy", "completion_tokens_mean", "entropy", "rejection_rate",
-                                "token_mask_rate", "kl_old_sampler", "clip_fraction", "kv_saved", "xi_p01", "xi_p99")}
-        summary[arm] = {"eval_steps": at, "curve": curve, "final": final,
-                        "final_mean": {m: _mean(v) for m, v in final.items()},
-                        "start_mean": {m: _mean([run[0]["modes"][m]["accuracy"] for run in evals]) for m in final},
-                        "per_step": per_step,
-                        "step_seconds": _mean([r["seconds"] for run in steps for r in run])}
+        per_step = {
+            key: {
+                "first_third": _mean([r[key] for run in steps for r in run[:third]]),
+                "last_third": _mean([r[key] for run in steps for r in run[-third:]]),
+            }
+            for key in (
+                "reward_mean",
+                "accuracy",
+                "completion_tokens_mean",
+                "entropy",
+                "rejection_rate",
+                "token_mask_rate",
+                "kl_old_sampler",
+                "clip_fraction",
+                "kv_saved",
+                "xi_p01",
+                "xi_p99",
+            )
+        }
+        summary[arm] = {
+            "eval_steps": at,
+            "curve": curve,
+            "final": final,
+            "final_mean": {m: _mean(v) for m, v in final.items()},
+            "start_mean": {m: _mean([run[0]["modes"][m]["accuracy"] for run in evals]) for m in final},
+            "per_step": per_step,
+            "step_seconds": _mean([r["seconds"] for run in steps for r in run]),
+        }
     return summary
 
 
@@ -284,15 +356,24 @@ def criteria(summary: dict[str, Any]) -> dict[str, Any]:
         return out
     d = summary["dense"]
     dense_final, dense_start = d["final_mean"]["dense_t1"], d["start_mean"]["dense_t1"]
-    out["a"] = {"claim": CRITERIA["a"], "gain": dense_final - dense_start, "met": dense_final - dense_start >= 0.15}
+    out["a"] = {
+        "claim": CRITERIA["a"],
+        "gain": dense_final - dense_start,
+        "met": dense_final - dense_start >= 0.15,
+    }
     if "naive" in summary:
         n = summary["naive"]
         gap = dense_final - n["final_mean"]["dense_t1"]
         degrades = n["final_mean"]["dense_t1"] < n["start_mean"]["dense_t1"]
         mismatch = n["per_step"]["kl_old_sampler"]
         grows = mismatch["last_third"] > mismatch["first_third"]
-        out["b"] = {"claim": CRITERIA["b"], "gap_to_dense": gap, "degrades": degrades, "mismatch_grows": grows,
-                    "met": gap >= 0.10 or (degrades and grows)}
+        out["b"] = {
+            "claim": CRITERIA["b"],
+            "gap_to_dense": gap,
+            "degrades": degrades,
+            "mismatch_grows": grows,
+            "met": gap >= 0.10 or (degrades and grows),
+        }
     if "sparse_rl" in summary:
         s = summary["sparse_rl"]
         gap = dense_final - s["final_mean"]["dense_t1"]
@@ -329,8 +410,24 @@ def run(cfg: LearningConfig, arms: list[str], seeds: list[int], cache: Path, out
             arm, seed = pending.pop(0)
             path = work / f"{arm}-{seed}.jsonl"
             log = (work / f"{arm}-{seed}.log").open("w")
-            cmd = [sys.executable, "-m", "bench.learning", "arm", "--config", config_json, "--arm", arm,
-                   "--seed", str(seed), "--model", str(model_dir), "--budget", str(budget), "--out", str(path)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "bench.learning",
+                "arm",
+                "--config",
+                config_json,
+                "--arm",
+                arm,
+                "--seed",
+                str(seed),
+                "--model",
+                str(model_dir),
+                "--budget",
+                str(budget),
+                "--out",
+                str(path),
+            ]
             running[(arm, seed)] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), path, log)
         time.sleep(2)
         for key, (proc, path, log) in list(running.items()):
@@ -345,12 +442,24 @@ def run(cfg: LearningConfig, arms: list[str], seeds: list[int], cache: Path, out
     by_arm = {arm: [done[(arm, s)] for s in seeds] for arm in arms}
     summary = summarise(by_arm)
     result = {
-        "bench": "learning", "preset": preset, "complete": True,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "config": cfg.model_dump(), "arms": arms, "seeds": seeds,
-        "warmstart": {"dir": model_dir.name, **{k: warm[k] for k in ("steps_done", "train_seconds", "eval",
-                                                                      "sampled_checks", "final_loss")}},
-        "kv_budget": budget, "calibration": calibration, "criteria": criteria(summary), "summary": summary,
+        "bench": "learning",
+        "preset": preset,
+        "complete": True,
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "config": cfg.model_dump(),
+        "arms": arms,
+        "seeds": seeds,
+        "warmstart": {
+            "dir": model_dir.name,
+            **{k: warm[k] for k in ("steps_done", "train_seconds", "eval", "sampled_checks", "final_loss")},
+        },
+        "kv_budget": budget,
+        "calibration": calibration,
+        "criteria": criteria(summary),
+        "summary": summary,
         "runs": {f"{arm}-{seed}": done[(arm, seed)] for arm, seed in jobs},
         "wall_seconds": time.perf_counter() - started,
     }
@@ -384,8 +493,13 @@ def plot(path: Path) -> Path:
         for arm in summary:
             for i, seed in enumerate(result["seeds"]):
                 rows = [r for r in result["runs"][f"{arm}-{seed}"] if r["type"] == "step"]
-                ax.plot([r["step"] for r in rows], [r[key] for r in rows], color=f"C{list(summary).index(arm)}",
-                        alpha=0.6, label=arm if i == 0 else None)
+                ax.plot(
+                    [r["step"] for r in rows],
+                    [r[key] for r in rows],
+                    color=f"C{list(summary).index(arm)}",
+                    alpha=0.6,
+                    label=arm if i == 0 else None,
+                )
         ax.set_title(title)
         ax.set_xlabel("step")
         if key == "kl_old_sampler":

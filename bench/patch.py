@@ -85,7 +85,11 @@ def pulse_baseline_bytes(old: StateDict, new: StateDict) -> int:
         boundary = np.ones(rows.size, dtype=bool)
         boundary[1:] = row_delta[1:] != 0
         col_delta = np.where(boundary, cols, np.diff(cols, prepend=0))
-        parts = [_downcast(row_delta, allow_uint8=True), _downcast(col_delta, allow_uint8=False), values.tobytes()]
+        parts = [
+            _downcast(row_delta, allow_uint8=True),
+            _downcast(col_delta, allow_uint8=False),
+            values.tobytes(),
+        ]
         meta.append({"name": name, "shape": list(new[name].shape), "nnz": int(flat.numel()), "offset": offset,
                      "sizes": [len(b) for b in parts]})
         blobs += parts
@@ -155,7 +159,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     batch, seq = args.batch or _BATCH[args.shape][0], args.seq or _BATCH[args.shape][1]
     model = Qwen3ForCausalLM(config).to(device)  # fp32 master weights
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.1)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if device.type == "cuda"
+        else torch.autocast("cpu", enabled=False)
+    )
 
     def published() -> StateDict:  # named_parameters: tied embeddings appear once
         return {name: p.detach().to(torch.bfloat16) for name, p in model.named_parameters()}
@@ -203,24 +211,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _, apply_s = timed(device, lambda p=patch: apply_patch(replica, p))
         bit_exact = _same_bits(replica, new)  # apply_patch has also checked the target fingerprint
         record = {
-            "step": step + 1, "loss": round(loss.item(), 4), "changed": changed,
-            "changed_fraction": changed / params, "dense_bf16_bytes": dense_bytes,
-            "values_bytes": sizes["values"], "bitdelta_bytes": sizes["bitdelta"], "auto_bytes": len(patch),
-            "auto_header_bytes": header.header_bytes, "pulse_bytes": pulse,
-            "bitdelta_over_pulse": sizes["bitdelta"] / pulse, "dense_over_auto": dense_bytes / len(patch),
-            "bit_exact": bit_exact, "extract_s": extract_s, "fingerprint_s": fingerprint_s,
-            "encode_s": max(0.0, extract_encode_s - extract_s), "extract_encode_s": extract_encode_s,
-            "decode_s": decode_s, "apply_s": apply_s,
-            "extract_per_tensor_s": extract_per_tensor_s, "fingerprint_per_tensor_s": fingerprint_per_tensor_s,
+            "step": step + 1,
+            "loss": round(loss.item(), 4),
+            "changed": changed,
+            "changed_fraction": changed / params,
+            "dense_bf16_bytes": dense_bytes,
+            "values_bytes": sizes["values"],
+            "bitdelta_bytes": sizes["bitdelta"],
+            "auto_bytes": len(patch),
+            "auto_header_bytes": header.header_bytes,
+            "pulse_bytes": pulse,
+            "bitdelta_over_pulse": sizes["bitdelta"] / pulse,
+            "dense_over_auto": dense_bytes / len(patch),
+            "bit_exact": bit_exact,
+            "extract_s": extract_s,
+            "fingerprint_s": fingerprint_s,
+            "encode_s": max(0.0, extract_encode_s - extract_s),
+            "extract_encode_s": extract_encode_s,
+            "decode_s": decode_s,
+            "apply_s": apply_s,
+            "extract_per_tensor_s": extract_per_tensor_s,
+            "fingerprint_per_tensor_s": fingerprint_per_tensor_s,
         }
         steps.append(record)
         patches.append(patch)
         if save_dir:
             (save_dir / f"patch-{step + 1:06d}.bin").write_bytes(patch)
-        print(f"step {step + 1}: changed {record['changed_fraction']:.3%} values {sizes['values'] / 1e6:.2f} MB "
-              f"bitdelta {sizes['bitdelta'] / 1e6:.2f} MB pulse {pulse / 1e6:.2f} MB "
-              f"(x{record['bitdelta_over_pulse']:.2f}) exact {bit_exact} extract {extract_s * 1e3:.1f} ms "
-              f"fp {fingerprint_s * 1e3:.1f} ms encode {record['encode_s']:.3f} s apply {apply_s:.3f} s")
+        print(
+            f"step {step + 1}: changed {record['changed_fraction']:.3%} values {sizes['values'] / 1e6:.2f} "
+            "MB "
+            f"bitdelta {sizes['bitdelta'] / 1e6:.2f} MB pulse {pulse / 1e6:.2f} MB "
+            f"(x{record['bitdelta_over_pulse']:.2f}) exact {bit_exact} extract {extract_s * 1e3:.1f} ms "
+            f"fp {fingerprint_s * 1e3:.1f} ms encode {record['encode_s']:.3f} s apply {apply_s:.3f} s"
+        )
         if step + 1 in _MERGE_K:
             union.append(_union_record(base, new, patches, device, args.merge))
             print(f"  union of {step + 1} steps: {union[-1]['changed_fraction']:.3%} changed")
@@ -236,7 +259,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _union_record(base: StateDict, new: StateDict, patches: list[bytes], device: torch.device, merge: bool) -> dict[str, Any]:
+def _union_record(
+    base: StateDict, new: StateDict, patches: list[bytes], device: torch.device, merge: bool
+) -> dict[str, Any]:
     k = len(patches)
     changed = _extract_indices(base, new)
     record: dict[str, Any] = {
@@ -265,10 +290,14 @@ def _report(args, device, params, dense_bytes, batch, seq, steps, union) -> dict
         "mean_bitdelta_over_pulse": ratio,
         "mean_values_over_pulse": statistics.mean(s["values_bytes"] / s["pulse_bytes"] for s in steps),
         "mean_dense_over_auto": statistics.mean(s["dense_over_auto"] for s in steps),
-        "all_bit_exact": all(s["bit_exact"] for s in steps) and all(u.get("merged_bit_exact", True) for u in union),
-        "median_extract_s": med("extract_s"), "median_fingerprint_s": med("fingerprint_s"),
-        "median_extract_plus_fingerprint_s": extract_fp, "median_extract_encode_s": med("extract_encode_s"),
-        "median_decode_s": med("decode_s"), "median_apply_s": med("apply_s"),
+        "all_bit_exact": all(s["bit_exact"] for s in steps)
+        and all(u.get("merged_bit_exact", True) for u in union),
+        "median_extract_s": med("extract_s"),
+        "median_fingerprint_s": med("fingerprint_s"),
+        "median_extract_plus_fingerprint_s": extract_fp,
+        "median_extract_encode_s": med("extract_encode_s"),
+        "median_decode_s": med("decode_s"),
+        "median_apply_s": med("apply_s"),
         "median_extract_per_tensor_s": med("extract_per_tensor_s"),
         "median_fingerprint_per_tensor_s": med("fingerprint_per_tensor_s"),
         "extract_per_tensor_over_default": med("extract_per_tensor_s") / med("extract_s"),
@@ -300,8 +329,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=0, help="default per shape")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run", default="bench")
-    parser.add_argument("--no-merge", dest="merge", action="store_false", help="skip merge_patches for k=2,4,8")
-    parser.add_argument("--save-patches", metavar="DIR", help="write base.safetensors + patch-NNNNNN.bin here")
+    parser.add_argument(
+        "--no-merge", dest="merge", action="store_false", help="skip merge_patches for k=2,4,8"
+    )
+    parser.add_argument(
+        "--save-patches", metavar="DIR", help="write base.safetensors + patch-NNNNNN.bin here"
+    )
     parser.add_argument("--out", help="JSON path (default bench/results/patch-<device>.json)")
     args = parser.parse_args()
     if args.device == "cpu":

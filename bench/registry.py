@@ -83,7 +83,12 @@ def saved_chain(folder: Path) -> tuple[str, str, bytes, list[bytes]]:
     """(run, shape, snapshot, patches) from `python -m bench.patch --save-patches DIR`."""
     manifest = json.loads((folder / "manifest.json").read_text())
     snapshot = (folder / manifest["base"]).read_bytes()
-    return manifest["run"], manifest["shape"], snapshot, [(folder / p).read_bytes() for p in manifest["patches"]]
+    return (
+        manifest["run"],
+        manifest["shape"],
+        snapshot,
+        [(folder / p).read_bytes() for p in manifest["patches"]],
+    )
 
 
 def free_port() -> int:
@@ -95,9 +100,14 @@ def free_port() -> int:
 @contextmanager
 def registry_process(port: int, store: Path) -> Iterator[str]:
     env = {
-        **os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), "SPARSECAST_HOST": "127.0.0.1", "SPARSECAST_PORT": str(port),
-        "SPARSECAST_STORE_URL": f"file://{store}", "SPARSECAST_API_TOKEN": TOKEN,
-        "SPARSECAST_SNAPSHOT_EVERY": "0", "SPARSECAST_MAX_UPLOAD_BYTES": str(64 << 30),
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "SPARSECAST_HOST": "127.0.0.1",
+        "SPARSECAST_PORT": str(port),
+        "SPARSECAST_STORE_URL": f"file://{store}",
+        "SPARSECAST_API_TOKEN": TOKEN,
+        "SPARSECAST_SNAPSHOT_EVERY": "0",
+        "SPARSECAST_MAX_UPLOAD_BYTES": str(64 << 30),
     }
     proc = subprocess.Popen([sys.executable, "-m", "services.registry"], env=env, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -132,7 +142,8 @@ def shaped_port(port: int, bits_per_s: float) -> Iterator[None]:
     burst = max(int(bits_per_s / 8 * 0.002), 2 << 16)
     commands = [
         "tc qdisc add dev lo root handle 1: htb default 20",
-        f"tc class add dev lo parent 1: classid 1:10 htb rate {rate} ceil {rate} burst {burst} cburst {burst}",
+        f"tc class add dev lo parent 1: classid 1:10 htb rate {rate} ceil {rate} burst {burst} cburst "
+        f"{burst}",
         "tc class add dev lo parent 1: classid 1:20 htb rate 40gbit ceil 40gbit",
         f"tc filter add dev lo protocol ip parent 1:0 prio 1 u32 match ip sport {port} 0xffff flowid 1:10",
     ]
@@ -144,7 +155,9 @@ def shaped_port(port: int, bits_per_s: float) -> Iterator[None]:
         subprocess.run("tc qdisc del dev lo root".split(), capture_output=True)
 
 
-async def transfer(url: str, run: str, refs: list[ObjectRef], streams: int, cap: float | None) -> dict[str, Any]:
+async def transfer(
+    url: str, run: str, refs: list[ObjectRef], streams: int, cap: float | None
+) -> dict[str, Any]:
     payload = sum(r.size for r in refs)
     async with RegistryClient(url, run, streams=streams, bandwidth_bps=cap) as client:
         t0 = time.perf_counter()
@@ -162,7 +175,9 @@ async def transfer(url: str, run: str, refs: list[ObjectRef], streams: int, cap:
     return row
 
 
-async def measure(args: argparse.Namespace, url: str, port: int, run: str, snapshot: bytes, patches: list[bytes]) -> dict[str, Any]:
+async def measure(
+    args: argparse.Namespace, url: str, port: int, run: str, snapshot: bytes, patches: list[bytes]
+) -> dict[str, Any]:
     device = torch.device(args.device)
     n = len(patches)
     async with RegistryClient(url, run, token=TOKEN, timeout_s=600) as client:
@@ -182,7 +197,11 @@ async def measure(args: argparse.Namespace, url: str, port: int, run: str, snaps
                         for streams in STREAMS:
                             row = await transfer(url, run, chain_refs, streams, None)
                             ideal = row["payload_bytes"] * 8 / cap
-                            row.update(tc_bps=cap, ideal_seconds=round(ideal, 4), ratio_to_ideal=round(row["seconds"] / ideal, 4))
+                            row.update(
+                                tc_bps=cap,
+                                ideal_seconds=round(ideal, 4),
+                                ratio_to_ideal=round(row["seconds"] / ideal, 4),
+                            )
                             result["tc"].append(row)
                 except subprocess.CalledProcessError as exc:
                     result["tc_error"] = exc.stderr.decode().strip()
@@ -196,8 +215,14 @@ async def measure(args: argparse.Namespace, url: str, port: int, run: str, snaps
             plan = await client.plan(n - lag, n)
             plan_s = time.perf_counter() - t0
             index = (await client._http.get(f"/v1/runs/{run}/objects/merged/{n - lag}-{n}.json")).json()
-            row = {"lag": lag, "chain_bytes": sum(chain_bytes[n - lag:]), "merged_bytes": index["size"],
-                   "plan_kind": plan.kind, "plan_bytes": plan.total_bytes, "first_plan_seconds": round(plan_s, 3)}
+            row = {
+                "lag": lag,
+                "chain_bytes": sum(chain_bytes[n - lag :]),
+                "merged_bytes": index["size"],
+                "plan_kind": plan.kind,
+                "plan_bytes": plan.total_bytes,
+                "first_plan_seconds": round(plan_s, 3),
+            }
             row["merged_over_chain"] = round(row["merged_bytes"] / row["chain_bytes"], 4)
             print(json.dumps(row), flush=True)
             result["merge"].append(row)
@@ -210,14 +235,22 @@ async def measure(args: argparse.Namespace, url: str, port: int, run: str, snaps
         for label, current, target_state in (("lagging", start, state), ("fresh", None, {})):
             async with RegistryClient(url, run, streams=4) as worker:
                 sync = await sync_weights(worker, target_state, current)
-            result["sync"][label] = {"from": current, "to": sync.version, "path": sync.path, "bytes": sync.bytes,
-                                     "seconds": round(sync.seconds, 4), "MB_per_s": round(sync.bytes / sync.seconds / 1e6, 2)}
+            result["sync"][label] = {
+                "from": current,
+                "to": sync.version,
+                "path": sync.path,
+                "bytes": sync.bytes,
+                "seconds": round(sync.seconds, 4),
+                "MB_per_s": round(sync.bytes / sync.seconds / 1e6, 2),
+            }
             print(label, json.dumps(result["sync"][label]), flush=True)
     return result
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--patches", metavar="DIR", help="replay `python -m bench.patch --save-patches DIR`")
     parser.add_argument("--shape", default="small", choices=["tiny", "small", "0.6b", "1.7b"])
     parser.add_argument("--steps", type=int, default=8)
@@ -241,7 +274,10 @@ def main() -> None:
     prepare_s = time.perf_counter() - t0
 
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="sparsecast-bench-registry-") as store, registry_process(port, Path(store)) as url:
+    with (
+        tempfile.TemporaryDirectory(prefix="sparsecast-bench-registry-") as store,
+        registry_process(port, Path(store)) as url,
+    ):
         result = asyncio.run(measure(args, url, port, run, snapshot, patches))
 
     # The target is about the client's token bucket (the cap workers use); kernel htb rows are reported
@@ -249,18 +285,29 @@ def main() -> None:
     capped = [r for r in result["transfer"] if r.get("ratio_to_ideal")]
     shaped = [r for r in result["tc"] if r.get("ratio_to_ideal")]
     report = {
-        "bench": "registry", "device": torch.device(args.device).type, "host": platform.node(),
-        "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
+        "bench": "registry",
+        "device": torch.device(args.device).type,
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "load_avg_1m": os.getloadavg()[0],
         "model": {"shape": shape, "params": params, "dense_bf16_bytes": params * 2, "source": source},
-        "chain": {"versions": len(patches), "snapshot_bytes": len(snapshot), "patch_bytes": [len(p) for p in patches],
-                  "payload_bytes": sum(len(p) for p in patches), "prepare_seconds": round(prepare_s, 2)},
+        "chain": {
+            "versions": len(patches),
+            "snapshot_bytes": len(snapshot),
+            "patch_bytes": [len(p) for p in patches],
+            "payload_bytes": sum(len(p) for p in patches),
+            "prepare_seconds": round(prepare_s, 2),
+        },
         **result,
         "targets": {
             "capped_within_10pct": bool(capped) and all(abs(r["ratio_to_ideal"] - 1) <= 0.10 for r in capped),
             "worst_capped_ratio": max((r["ratio_to_ideal"] for r in capped), default=None),
-            "kernel_shaped_within_10pct": all(abs(r["ratio_to_ideal"] - 1) <= 0.10 for r in shaped) if shaped else None,
+            "kernel_shaped_within_10pct": all(abs(r["ratio_to_ideal"] - 1) <= 0.10 for r in shaped)
+            if shaped
+            else None,
             "worst_kernel_shaped_ratio": max((r["ratio_to_ideal"] for r in shaped), default=None),
-            "merged_smaller_than_chain": bool(result["merge"]) and all(r["merged_bytes"] < r["chain_bytes"] for r in result["merge"]),
+            "merged_smaller_than_chain": bool(result["merge"])
+            and all(r["merged_bytes"] < r["chain_bytes"] for r in result["merge"]),
         },
     }
     out = Path(args.out or f"bench/results/registry-{report['device']}.json")

@@ -43,7 +43,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_generate(engine: Any, prompts: list[list[int]], gen: int, device: torch.device, repeats: int) -> dict[str, Any]:
+def timed_generate(
+    engine: Any, prompts: list[list[int]], gen: int, device: torch.device, repeats: int
+) -> dict[str, Any]:
     """Best of `repeats` greedy batches (after a warm-up batch): tokens, seconds, tokens/s."""
     params = SamplingParams(temperature=0.0, max_new_tokens=gen)
     engine.generate(prompts[:2], SamplingParams(temperature=0.0, max_new_tokens=8), KVConfig())
@@ -56,7 +58,12 @@ def timed_generate(engine: Any, prompts: list[list[int]], gen: int, device: torc
         _sync(device)
         best = min(best, time.perf_counter() - start)
         tokens = sum(len(o.token_ids) for o in outs)
-    return {"batch": len(prompts), "tokens": tokens, "seconds": round(best, 3), "tokens_per_s": round(tokens / best, 1)}
+    return {
+        "batch": len(prompts),
+        "tokens": tokens,
+        "seconds": round(best, 3),
+        "tokens_per_s": round(tokens / best, 1),
+    }
 
 
 def timed_reload(engine: Any, names: set[str], runs: int) -> float:
@@ -86,10 +93,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = torch.randint(0, config.vocab_size, (args.batch, args.prompt),
                             generator=torch.Generator().manual_seed(1)).tolist()
     result: dict[str, Any] = {
-        "bench": "vllm_engine", "device": args.device,
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
-        "shape": args.shape, "dtype": args.dtype, "prompt": args.prompt, "gen": args.gen,
-        "enforce_eager": args.eager, "multiprocessing": not args.in_process,
+        "bench": "vllm_engine",
+        "device": args.device,
+        "device_name": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or platform.machine(),
+        "shape": args.shape,
+        "dtype": args.dtype,
+        "prompt": args.prompt,
+        "gen": args.gen,
+        "enforce_eager": args.eager,
+        "multiprocessing": not args.in_process,
         "threads": args.threads if device.type == "cpu" else None,
         # Other work on the machine skews CPU numbers (and their ratio, measured minutes apart).
         "load_avg_1m_start": round(os.getloadavg()[0], 2),
@@ -107,7 +121,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
-        options: dict[str, Any] = {"enforce_eager": args.eager, "max_model_len": args.prompt + args.gen + 8, "seed": 0}
+        options: dict[str, Any] = {
+            "enforce_eager": args.eager,
+            "max_model_len": args.prompt + args.gen + 8,
+            "seed": 0,
+        }
         if device.type == "cuda":
             options["gpu_memory_utilization"] = args.gpu_memory_utilization
         start = time.perf_counter()
@@ -116,7 +134,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["vllm"] = timed_generate(engine, prompts, args.gen, device, args.repeats)
         print("vllm", json.dumps(result["vllm"]))
         if "native" in result:
-            result["vllm_vs_native_tokens_per_s"] = round(result["vllm"]["tokens_per_s"] / result["native"]["tokens_per_s"], 2)
+            result["vllm_vs_native_tokens_per_s"] = round(
+                result["vllm"]["tokens_per_s"] / result["native"]["tokens_per_s"], 2
+            )
 
         state = engine.state_dict()
         one_layer = {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.gate_proj.weight"}
@@ -155,7 +175,9 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device).type
     default = args.shape == "tiny" and args.batch == 64
-    name = f"vllm_engine-{device}.json" if default else f"vllm_engine-{device}-{args.shape}-b{args.batch}.json"
+    name = (
+        f"vllm_engine-{device}.json" if default else f"vllm_engine-{device}-{args.shape}-b{args.batch}.json"
+    )
     (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote bench/results/{name}")
 

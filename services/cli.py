@@ -85,14 +85,18 @@ def cmd_status(args: argparse.Namespace) -> int:
         return EXIT_OK
     steps = f"{status['step']}/{status['max_steps']}" if status.get("max_steps") else str(status["step"])
     version = "-" if status.get("version") is None else f"v{status['version']}"
-    console.print(f"[bold]run[/] {status['run']} · [bold]state[/] {status['state']}"
-                  f"{' (paused)' if status.get('paused') else ''} · [bold]step[/] {steps} · [bold]version[/] {version}")
+    console.print(
+        f"[bold]run[/] {status['run']} · [bold]state[/] {status['state']}"
+        f"{' (paused)' if status.get('paused') else ''} · [bold]step[/] {steps} · [bold]version[/] {version}"
+    )
     if status.get("error"):
         console.print(f"[red]error:[/] {escape(status['error'])}")
     q = status.get("queue") or {}
-    console.print(f"queue: {q.get('prompts_queued', 0)} prompt groups waiting, {q.get('leases_pending', 0)} leased, "
-                  f"{q.get('trajectories_queued', 0)} trajectories waiting, {q.get('groups_completed', 0)} completed, "
-                  f"{q.get('dead_letter_depth', 0)} dead letters")
+    console.print(
+        f"queue: {q.get('prompts_queued', 0)} prompt groups waiting, {q.get('leases_pending', 0)} leased, "
+        f"{q.get('trajectories_queued', 0)} trajectories waiting, {q.get('groups_completed', 0)} completed, "
+        f"{q.get('dead_letter_depth', 0)} dead letters"
+    )
     if status.get("last"):
         console.print("last " + step_summary(status["last"]))
     workers = status.get("workers") or []
@@ -135,8 +139,10 @@ def cmd_versions(args: argparse.Namespace) -> int:
     if patches:
         shipped = sum(r["patch_bytes"] for r in patches)
         dense = sum(r["dense_bytes"] for r in patches)
-        console.print(f"{len(patches)} patches: {human_bytes(shipped)} shipped instead of {human_bytes(dense)} "
-                      f"of dense weights ({dense / shipped:.0f}x less)")
+        console.print(
+            f"{len(patches)} patches: {human_bytes(shipped)} shipped instead of {human_bytes(dense)} "
+            f"of dense weights ({dense / shipped:.0f}x less)"
+        )
     return EXIT_OK
 
 
@@ -159,10 +165,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if sources != 1:
         raise UsageError("give prompts as arguments, or --file JSONL, or --generate N (exactly one of them)")
     if args.answer and len(args.answer) != len(args.prompts):
-        raise UsageError(f"{len(args.answer)} --answer for {len(args.prompts)} prompts: give one per prompt or none")
+        raise UsageError(
+            f"{len(args.answer)} --answer for {len(args.prompts)} prompts: give one per prompt or none"
+        )
     service = trainer(args)
     if args.file:
-        params = {k: v for k, v in (("task", args.task), ("samples_per_prompt", args.samples)) if v is not None}
+        params = {
+            k: v for k, v in (("task", args.task), ("samples_per_prompt", args.samples)) if v is not None
+        }
         result = service.request("POST", "/v1/prompts", params=params, content=_read_jsonl(args.file),
                                  headers={"Content-Type": "application/x-ndjson"})
     else:
@@ -253,7 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="trainer REST API (env SPARSECAST_TRAINER_URL; default %(default)s)")
     group.add_argument("--token", default=env("SPARSECAST_API_TOKEN") or None,
                        help="bearer token for writes (env SPARSECAST_API_TOKEN)")
-    group.add_argument("--timeout", type=float, default=10.0, help="seconds per request (default %(default)s)")
+    group.add_argument(
+        "--timeout", type=float, default=10.0, help="seconds per request (default %(default)s)"
+    )
     output = argparse.ArgumentParser(add_help=False)
     output.add_argument("--json", action="store_true", help="print the API's answer as JSON (for scripts)")
 
@@ -266,10 +278,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser(
-        "demo", help="run the whole stack locally and train the tiny model for a few minutes",
-        description="Start Redis, the registry, the trainer and rollout workers as local processes, train the "
-                    "warm-started tiny model on the addition task, show live progress, print a summary. "
-                    "Ctrl-C stops every process it started.")
+        "demo",
+        help="run the whole stack locally and train the tiny model for a few minutes",
+        description="Start Redis, the registry, the trainer and rollout workers as local processes, train "
+                    "the "
+        "warm-started tiny model on the addition task, show live progress, print a summary. "
+        "Ctrl-C stops every process it started.",
+    )
     defaults = demo_defaults()
     demo.add_argument("--steps", type=_positive, help=f"training steps (default {defaults.steps})")
     demo.add_argument("--workers", type=_positive, help=f"rollout workers (default {defaults.workers})")
@@ -282,15 +297,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--kv-keep-prompt", action=argparse.BooleanOptionalAction,
                       help="never evict the prompt; the budget then counts generated tokens only "
                            f"(default {'on' if defaults.kv_keep_prompt else 'off'}: Sparse-RL's semantics)")
-    demo.add_argument("--groups", type=_positive, help=f"prompt groups per step (default {defaults.groups_per_step})")
-    demo.add_argument("--samples", type=_positive, help=f"samples per prompt (default {defaults.samples_per_prompt})")
+    demo.add_argument(
+        "--groups", type=_positive, help=f"prompt groups per step (default {defaults.groups_per_step})"
+    )
+    demo.add_argument(
+        "--samples", type=_positive, help=f"samples per prompt (default {defaults.samples_per_prompt})"
+    )
     demo.add_argument("--lr", type=float, help=f"trainer learning rate (default {defaults.lr})")
     demo.add_argument("--seed", type=int, help=f"trainer and prompt seed (default {defaults.seed})")
     demo.add_argument("--keep-running", action="store_true",
                       help="after the last step keep the stack (and the dashboard) up until Ctrl-C")
-    demo.add_argument("--dir", default="data/demo", help="folder for logs and the store (default %(default)s)")
-    demo.add_argument("--model", default="tiny-demo",
-                      help="'tiny-demo' (the cached warm-start model) or a HF model folder (default %(default)s)")
+    demo.add_argument(
+        "--dir", default="data/demo", help="folder for logs and the store (default %(default)s)"
+    )
+    demo.add_argument(
+        "--model",
+        default="tiny-demo",
+        help="'tiny-demo' (the cached warm-start model) or a HF model folder (default %(default)s)",
+    )
     demo.add_argument("--token", default=os.environ.get("SPARSECAST_API_TOKEN") or None,
                       help="API token for the stack (env SPARSECAST_API_TOKEN; default: a random one)")
     demo.add_argument("--device", help=f"device of the trainer and the workers: cpu, cuda, cuda:N "
@@ -301,44 +325,69 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     submit = sub.add_parser(
-        "submit", parents=[connection, output], help="queue prompts for training",
-        description="Queue prompt groups on the trainer: prompts as arguments (with --answer each), a JSONL file "
-                    "(objects with 'prompt' and 'answer', or GSM8K-style 'question'/'answer'), or --generate N "
-                    "prompts made by the task itself. '\\n' in an argument becomes a newline.",
-        epilog="example: sparsecast submit --task addition 'add 12+34\\n' --answer 46")
+        "submit",
+        parents=[connection, output],
+        help="queue prompts for training",
+        description="Queue prompt groups on the trainer: prompts as arguments (with --answer each), a JSONL "
+                    "file "
+        "(objects with 'prompt' and 'answer', or GSM8K-style 'question'/'answer'), or --generate N "
+        "prompts made by the task itself. '\\n' in an argument becomes a newline.",
+        epilog="example: sparsecast submit --task addition 'add 12+34\\n' --answer 46",
+    )
     submit.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt texts")
     submit.add_argument("--answer", action="append", help="reference answer of each PROMPT, in order")
-    submit.add_argument("--file", "-f", metavar="JSONL", help="read prompts from a JSONL file ('-' for stdin)")
+    submit.add_argument(
+        "--file", "-f", metavar="JSONL", help="read prompts from a JSONL file ('-' for stdin)"
+    )
     submit.add_argument("--generate", type=_positive, metavar="N", help="let the task make N prompts")
     submit.add_argument("--seed", type=int, default=0, help="seed for --generate (default %(default)s)")
     submit.add_argument("--task", help="task that rewards the completions (default: the trainer's)")
-    submit.add_argument("--samples", type=_positive, metavar="N", help="samples per prompt (default: the trainer's)")
+    submit.add_argument(
+        "--samples", type=_positive, metavar="N", help="samples per prompt (default: the trainer's)"
+    )
     submit.set_defaults(func=cmd_submit)
 
-    status = sub.add_parser("status", parents=[connection, output], help="training state, queue and last step",
-                            description="Show the trainer's state, step, version, queue depths, the last "
-                                        "step's metrics and the rollout workers.")
+    status = sub.add_parser(
+        "status",
+        parents=[connection, output],
+        help="training state, queue and last step",
+        description="Show the trainer's state, step, version, queue depths, the last "
+        "step's metrics and the rollout workers.",
+    )
     status.set_defaults(func=cmd_status)
 
     versions = sub.add_parser(
-        "versions", parents=[connection, output], help="published weight versions and their patch sizes",
+        "versions",
+        parents=[connection, output],
+        help="published weight versions and their patch sizes",
         description="List the published versions: patch bytes against dense bytes, changed fraction and the "
-                    "step's reward. Reads the trainer, or the registry directly when --registry-url is given.")
+        "step's reward. Reads the trainer, or the registry directly when --registry-url is given.",
+    )
     versions.add_argument("--registry-url", default=env("SPARSECAST_REGISTRY_URL") or None,
                           help="ask this registry instead of the trainer (env SPARSECAST_REGISTRY_URL)")
     versions.add_argument("--run", default=env("SPARSECAST_RUN", "default"),
                           help="run name at the registry (env SPARSECAST_RUN; default %(default)s)")
-    versions.add_argument("--last", type=int, default=20, help="rows to show, 0 for all (default %(default)s)")
+    versions.add_argument(
+        "--last", type=int, default=20, help="rows to show, 0 for all (default %(default)s)"
+    )
     versions.set_defaults(func=cmd_versions)
 
-    workers = sub.add_parser("workers", parents=[connection, output], help="rollout workers and their versions",
-                             description="List the registered rollout workers: engine, KV policy, weight version "
-                                         "and lag behind the trainer, leases held, tokens/s, download speed.")
+    workers = sub.add_parser(
+        "workers",
+        parents=[connection, output],
+        help="rollout workers and their versions",
+        description="List the registered rollout workers: engine, KV policy, weight version "
+        "and lag behind the trainer, leases held, tokens/s, download speed.",
+    )
     workers.set_defaults(func=cmd_workers)
 
-    bench = sub.add_parser("bench", parents=[output], help="run a benchmark (python -m bench.NAME)",
-                           description="Run python -m bench.NAME with the remaining arguments; without NAME, list "
-                                       "the benchmarks. Results are written to bench/results/NAME-<device>.json.")
+    bench = sub.add_parser(
+        "bench",
+        parents=[output],
+        help="run a benchmark (python -m bench.NAME)",
+        description="Run python -m bench.NAME with the remaining arguments; without NAME, list "
+        "the benchmarks. Results are written to bench/results/NAME-<device>.json.",
+    )
     bench.add_argument("name", nargs="?", help="benchmark name")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to the benchmark")
     bench.set_defaults(func=cmd_bench)

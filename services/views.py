@@ -37,8 +37,20 @@ def step_summary(row: dict[str, Any]) -> str:
 
 def workers_table(workers: list[dict[str, Any]], trainer_version: int | None) -> Table:
     table = Table(title="rollout workers", title_justify="left")
-    for column in ("worker", "engine", "KV policy", "version", "lag", "leases", "tokens/s", "download", "url"):
-        table.add_column(column, justify="right" if column in ("version", "lag", "leases", "tokens/s") else "left")
+    for column in (
+        "worker",
+        "engine",
+        "KV policy",
+        "version",
+        "lag",
+        "leases",
+        "tokens/s",
+        "download",
+        "url",
+    ):
+        table.add_column(
+            column, justify="right" if column in ("version", "lag", "leases", "tokens/s") else "left"
+        )
     now = time.time()
     for w in sorted(workers, key=lambda w: w["worker_id"]):
         policy = w["kv_policy"] + (f"@{w['kv_budget']}" if w.get("kv_budget") else "")
@@ -52,16 +64,31 @@ def workers_table(workers: list[dict[str, Any]], trainer_version: int | None) ->
 
 def versions_table(rows: list[dict[str, Any]], limit: int) -> Table:
     table = Table(title="published versions", title_justify="left")
-    for column in ("version", "from", "patch", "snapshot", "dense", "smaller", "changed", "reward", "accuracy"):
+    for column in (
+        "version",
+        "from",
+        "patch",
+        "snapshot",
+        "dense",
+        "smaller",
+        "changed",
+        "reward",
+        "accuracy",
+    ):
         table.add_column(column, justify="right")
     for row in rows[-limit:] if limit else rows:
         metrics = row.get("metrics") or {}
-        table.add_row(f"v{row['version']}", "-" if row.get("base_version") is None else f"v{row['base_version']}",
-                      human_bytes(row.get("patch_bytes")), human_bytes(row.get("snapshot_bytes")),
-                      human_bytes(row.get("dense_bytes")),
-                      "-" if row.get("payload_ratio") is None else f"{row['payload_ratio']:.0f}x",
-                      pct(row.get("changed_fraction"), 2), num(metrics.get("reward_mean")),
-                      pct(metrics.get("accuracy")))
+        table.add_row(
+            f"v{row['version']}",
+            "-" if row.get("base_version") is None else f"v{row['base_version']}",
+            human_bytes(row.get("patch_bytes")),
+            human_bytes(row.get("snapshot_bytes")),
+            human_bytes(row.get("dense_bytes")),
+            "-" if row.get("payload_ratio") is None else f"{row['payload_ratio']:.0f}x",
+            pct(row.get("changed_fraction"), 2),
+            num(metrics.get("reward_mean")),
+            pct(metrics.get("accuracy")),
+        )
     return table
 
 

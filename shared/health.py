@@ -89,8 +89,12 @@ class HealthMetrics:
                         registry=registry)
         self.outages = Gauge(f"{service}_dependency_outages", "Outages of the dependency since start",
                              ["dependency"], registry=registry)
-        self.failures = Gauge(f"{service}_dependency_failed_tries", "Failed calls to the dependency since start",
-                              ["dependency"], registry=registry)
+        self.failures = Gauge(
+            f"{service}_dependency_failed_tries",
+            "Failed calls to the dependency since start",
+            ["dependency"],
+            registry=registry,
+        )
         self.alive = Gauge(f"{service}_alive", "1 while every background loop is alive", registry=registry)
 
     def update(self, outages: Iterable[Outage], liveness: Liveness) -> None:

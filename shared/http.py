@@ -25,9 +25,16 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 _REASONS = {
-    400: "Bad request", 401: "Missing or wrong bearer token", 404: "Not found", 409: "Conflict with the current state",
-    413: "Body or field too large", 415: "Unsupported content type", 416: "Range not satisfiable",
-    422: "Invalid input", 429: "Queue full", 503: "Not ready yet",
+    400: "Bad request",
+    401: "Missing or wrong bearer token",
+    404: "Not found",
+    409: "Conflict with the current state",
+    413: "Body or field too large",
+    415: "Unsupported content type",
+    416: "Range not satisfiable",
+    422: "Invalid input",
+    429: "Queue full",
+    503: "Not ready yet",
 }
 
 
@@ -91,7 +98,9 @@ class BodyLimit:
         limit = self.max_bytes
         declared = dict(scope.get("headers", [])).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > limit:
-            body = json.dumps({"detail": f"request body of {int(declared)} bytes exceeds the limit of {limit}"}).encode()
+            body = json.dumps(
+                {"detail": f"request body of {int(declared)} bytes exceeds the limit of {limit}"}
+            ).encode()
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                        (b"connection", b"close")]
             await send({"type": "http.response.start", "status": 413, "headers": headers})

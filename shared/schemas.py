@@ -122,5 +122,7 @@ def one_line_error(error: Exception, subject: str = "value") -> str:
     errors_of = getattr(error, "errors", None)
     errors = errors_of() if callable(errors_of) else None
     if errors:
-        return "; ".join(f"{'.'.join(map(str, e.get('loc', ()))) or subject}: {e.get('msg', '')}" for e in errors)
+        return "; ".join(
+            f"{'.'.join(map(str, e.get('loc', ()))) or subject}: {e.get('msg', '')}" for e in errors
+        )
     return str(error).replace("\n", " ")

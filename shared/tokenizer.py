@@ -21,7 +21,13 @@ SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0..3, in this order
 # Every character the built-in tasks and their prompts use, plus enough printable ASCII that a
 # GSM8K-style question degrades to <unk> only on exotic characters. Order is part of the vocab:
 # never reorder, only append (the warm-start recipe hash covers the vocab).
-CHARACTERS = string.digits + string.ascii_lowercase + string.ascii_uppercase + " \n" + "+-*/=()[],.:;#?!'\"$%&<>_|@^~{}\\`"
+CHARACTERS = (
+    string.digits
+    + string.ascii_lowercase
+    + string.ascii_uppercase
+    + " \n"
+    + "+-*/=()[],.:;#?!'\"$%&<>_|@^~{}\\`"
+)
 
 
 def char_vocab() -> dict[str, int]:

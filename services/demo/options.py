@@ -9,7 +9,8 @@ RUN = "demo"
 TASK = "addition"
 
 # The demo's KV budget: addition answers are 42-103 tokens, so Sparse-RL's 512 would never evict.
-# The deployments' CPU defaults (compose, kustomize, helm) are held to it by tests/unit/shared/test_kv_contract.py.
+# The deployments' CPU defaults (compose, kustomize, helm) are held to it by
+# tests/unit/shared/test_kv_contract.py.
 DEMO_KV_BUDGET = 32
 
 

@@ -50,17 +50,31 @@ class Demo(Stack):
         want = min(2, remaining) * self.o.groups_per_step
         if remaining > 0 and in_flight < want:
             count = want - in_flight
-            options = {"min_digits": self.o.digits[0], "max_digits": self.o.digits[1]} if self.o.digits else {}
-            self.api("POST", "/v1/prompts", json={"task": TASK, "samples_per_prompt": self.o.samples_per_prompt,
-                                                  "generate": {"count": count,
-                                                               "seed": 1000 + 1_000_003 * self.o.seed + self.submitted,
-                                                               "options": options}})
+            options = (
+                {"min_digits": self.o.digits[0], "max_digits": self.o.digits[1]} if self.o.digits else {}
+            )
+            self.api(
+                "POST",
+                "/v1/prompts",
+                json={
+                    "task": TASK,
+                    "samples_per_prompt": self.o.samples_per_prompt,
+                    "generate": {
+                        "count": count,
+                        "seed": 1000 + 1_000_003 * self.o.seed + self.submitted,
+                        "options": options,
+                    },
+                },
+            )
             self.submitted += count
 
     def train(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Feed prompts and show progress until the trainer has taken its last step."""
-        self.say(f"training: {self.o.steps} steps × {self.o.groups_per_step} prompts × {self.o.samples_per_prompt} "
-                 f"samples of the {TASK!r} task, submitted over REST; dashboard at {self.urls['trainer']}/")
+        self.say(
+            f"training: {self.o.steps} steps × {self.o.groups_per_step} prompts × "
+            f"{self.o.samples_per_prompt} "
+            f"samples of the {TASK!r} task, submitted over REST; dashboard at {self.urls['trainer']}/"
+        )
         history: list[dict[str, Any]] = []
         status = self.api("GET", "/v1/status")
         with Live(view(self.o, status, history, self.started), console=console, refresh_per_second=2,
@@ -69,8 +83,10 @@ class Demo(Stack):
                 self.procs.check()
                 status = self.api("GET", "/v1/status")
                 if status.get("state") in ("failed", "stopped"):  # stopped before its last step
-                    raise DemoFailed(f"the trainer stopped at step {status.get('step')}: "
-                                     f"{status.get('error') or 'no error given'} (log {self.procs.log_dir}/trainer.log)")
+                    raise DemoFailed(
+                        f"the trainer stopped at step {status.get('step')}: "
+                        f"{status.get('error') or 'no error given'} (log {self.procs.log_dir}/trainer.log)"
+                    )
                 since = history[-1]["step"] if history else 0
                 new = self.api("GET", "/v1/metrics/history", params={"since": since})["history"]
                 history += new
@@ -99,12 +115,16 @@ class Demo(Stack):
         baseline = status.get("heldout_baseline") or {}
         speeds = {w["worker_id"]: w["tokens_per_s"] for w in status.get("workers") or []}
         return {
-            "steps": len(history), "wall_seconds": time.monotonic() - self.started,
-            "versions": len(versions), "patches": len(patches),
+            "steps": len(history),
+            "wall_seconds": time.monotonic() - self.started,
+            "versions": len(versions),
+            "patches": len(patches),
             "dense_bytes": versions[-1]["dense_bytes"] if versions else 0,
             "patch_bytes_mean": sum(patches) / len(patches) if patches else None,
-            "reward_first3": mean("reward_mean", head), "reward_last3": mean("reward_mean", tail),
-            "accuracy_first3": mean("accuracy", head), "accuracy_last3": mean("accuracy", tail),
+            "reward_first3": mean("reward_mean", head),
+            "reward_last3": mean("reward_mean", tail),
+            "accuracy_first3": mean("accuracy", head),
+            "accuracy_last3": mean("accuracy", tail),
             "heldout_accuracy_start": baseline.get("heldout_accuracy"),
             "heldout_accuracy_end": evals[-1] if evals else None,
             "changed_fraction": mean("changed_fraction", history),
@@ -113,9 +133,12 @@ class Demo(Stack):
             # have (kv_saved = 1 − Σ peak tokens / Σ sequence tokens, same bytes per token).
             "kv_sparse_bytes_mean": sparse_kv,
             "kv_dense_bytes_mean": sparse_kv / (1 - kv_saved) if sparse_kv and kv_saved is not None else None,
-            "rejection_rate": mean("rejection_rate", history), "token_mask_rate": mean("token_mask_rate", history),
-            "workers": {f"demo-worker-{n}": {"version": v, "tokens_per_s": speeds.get(f"demo-worker-{n}")}
-                        for n, v in self.worker_versions(status.get("version")).items()},
+            "rejection_rate": mean("rejection_rate", history),
+            "token_mask_rate": mean("token_mask_rate", history),
+            "workers": {
+                f"demo-worker-{n}": {"version": v, "tokens_per_s": speeds.get(f"demo-worker-{n}")}
+                for n, v in self.worker_versions(status.get("version")).items()
+            },
         }
 
     # -- all of it --
@@ -138,7 +161,9 @@ class Demo(Stack):
         figures = self.figures(status, history)
         console.print(summary(self.o, figures, self.urls["trainer"], self.procs.log_dir))
         if self.o.report:
-            options = {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.o).items() if k != "token"}
+            options = {
+                k: str(v) if isinstance(v, Path) else v for k, v in vars(self.o).items() if k != "token"
+            }
             self.o.report.parent.mkdir(parents=True, exist_ok=True)
             self.o.report.write_text(json.dumps({"options": options, "summary": figures, "history": history},
                                                 indent=1) + "\n")

@@ -32,7 +32,9 @@ SMALL_READ_BYTES = 16 << 20  # ranges up to this are read at once; larger ones a
 Run = Annotated[str, Path(description="run name", json_schema_extra={"pattern": RUN_NAME.pattern})]
 ObjectKey = Annotated[str, Path(description="an object key, e.g. patches/3-4.patch", json_schema_extra={
     "pattern": f"^({'|'.join(f.rstrip('/') for f in OBJECT_FOLDERS)})/{KEY_PART.pattern}$"})]
-ModelFile = Annotated[str, Path(description="a config or tokenizer file", json_schema_extra={"enum": list(MODEL_FILES)})]
+ModelFile = Annotated[
+    str, Path(description="a config or tokenizer file", json_schema_extra={"enum": list(MODEL_FILES)})
+]
 
 
 def upload_body(description: str) -> dict:
@@ -72,7 +74,9 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
         """The request carries the configured token (never true when none is configured)."""
         given = request.headers.get("authorization", "")
         expected = f"Bearer {settings.api_token}"
-        return bool(settings.api_token) and hmac.compare_digest(given.encode("utf-8", "replace"), expected.encode())
+        return bool(settings.api_token) and hmac.compare_digest(
+            given.encode("utf-8", "replace"), expected.encode()
+        )
 
     def require_token(request: Request) -> None:
         # Without a token writes are open: allowed on loopback only (__main__ refuses other binds).
@@ -84,7 +88,9 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
         """The upload, streamed in: size limit, magic bytes and the body's own declared length are
         checked as bytes arrive, so junk is refused after its first bytes, not once held."""
         declared = request.headers.get("content-length")
-        check = UploadCheck(kind, settings.max_upload_bytes, int(declared) if declared and declared.isdigit() else None)
+        check = UploadCheck(
+            kind, settings.max_upload_bytes, int(declared) if declared and declared.isdigit() else None
+        )
         async for chunk in request.stream():
             check.feed(chunk)
         return check.finish()
@@ -171,15 +177,29 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
     async def model_files(run: Run) -> list[str]:
         return await registry.model_files(run)
 
-    @app.put("/v1/runs/{run}/model/{name}", dependencies=[Depends(require_token)], responses=writes,
-             openapi_extra={"requestBody": {"required": True, "description": "a config or tokenizer JSON file",
-                                            "content": {"application/json": {"schema": {"type": "object"}}}}})
+    @app.put(
+        "/v1/runs/{run}/model/{name}",
+        dependencies=[Depends(require_token)],
+        responses=writes,
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "description": "a config or tokenizer JSON file",
+                "content": {"application/json": {"schema": {"type": "object"}}},
+            }
+        },
+    )
     async def put_model_file(run: Run, name: ModelFile, request: Request) -> dict[str, str]:
         await registry.put_model_file(run, name, await read_body(request, "model"))
         return {"stored": name}
 
-    @app.get("/v1/runs/{run}/model/{name}", responses={
-        200: {"content": {"application/json": {"schema": {"type": "object"}}}, "description": "the file"}, **reads})
+    @app.get(
+        "/v1/runs/{run}/model/{name}",
+        responses={
+            200: {"content": {"application/json": {"schema": {"type": "object"}}}, "description": "the file"},
+            **reads,
+        },
+    )
     async def get_model_file(run: Run, name: ModelFile) -> Response:
         return Response(await registry.get_model_file(run, name), media_type="application/json")
 

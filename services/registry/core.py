@@ -163,7 +163,9 @@ class Registry:
         return object_ref(key, data, self.settings.piece_bytes)
 
     async def _commit(self, run: str, state: RunState, manifest: Manifest) -> None:
-        await self.storage.put(f"{run}/manifests/{manifest.version}.json", manifest.model_dump_json().encode())
+        await self.storage.put(
+            f"{run}/manifests/{manifest.version}.json", manifest.model_dump_json().encode()
+        )
         state.manifests[manifest.version] = manifest
         self.metrics.head.labels(run).set(max(state.manifests))
 
@@ -219,7 +221,9 @@ class Registry:
         verify_chunks(data, header)  # also refuses truncated or padded bodies
         return header
 
-    async def publish_snapshot(self, run: str, version: int, data: bytes, *, kind: str = "snapshot") -> Manifest:
+    async def publish_snapshot(
+        self, run: str, version: int, data: bytes, *, kind: str = "snapshot"
+    ) -> Manifest:
         state = await self._run(run)
         try:
             # load_snapshot recomputes the fingerprint of the tensors and checks the metadata's.
@@ -236,7 +240,10 @@ class Registry:
                     f"(head is {state.head}); versions advance through patches"
                 )
             if existing is not None and existing.fingerprint != info.fingerprint:
-                raise Conflict(f"snapshot fingerprint {info.fingerprint} differs from version {version}'s {existing.fingerprint}")
+                raise Conflict(
+                    f"snapshot fingerprint {info.fingerprint} differs from version {version}'s "
+                    f"{existing.fingerprint}"
+                )
             key = f"snapshots/{version}.safetensors"
             await self.storage.put(f"{run}/{key}", data)
             ref = self._ref(key, data)

@@ -37,7 +37,9 @@ class Merger:
         # Merges are CPU-heavy (seconds for a 1.7B chain): one at a time, whoever asks.
         self._slot = asyncio.Semaphore(1)
 
-    async def for_plan(self, run: str, state: RunState, a: int, b: int, wish: int, build: bool) -> ObjectRef | None:
+    async def for_plan(
+        self, run: str, state: RunState, a: int, b: int, wish: int, build: bool
+    ) -> ObjectRef | None:
         """The merged a→b patch for a plan: built now only if `build` (an authenticated plan);
         else the stored one, or None with the wish noted for the next publish."""
         if build or (a, b) in state.merged:

@@ -27,7 +27,9 @@ async def cheapest_plan(run: str, state: RunState, target: Manifest, from_versio
     candidates: list[tuple[int, int, str, list[PlanStep]]] = []  # (bytes, preference, kind, steps)
 
     def patch_step(ref: ObjectRef, base: int, m: Manifest) -> PlanStep:
-        return PlanStep(kind="patch", object=ref, base_version=base, target_version=m.version, fingerprint=m.fingerprint)
+        return PlanStep(
+            kind="patch", object=ref, base_version=base, target_version=m.version, fingerprint=m.fingerprint
+        )
 
     if a == b:
         candidates.append((0, 0, "none", []))
@@ -44,7 +46,13 @@ async def cheapest_plan(run: str, state: RunState, target: Manifest, from_versio
             continue
         snap = state.manifests[s]
         snapshot_ref = stored(snap.snapshot, 'snapshot')
-        first = PlanStep(kind="snapshot", object=snapshot_ref, base_version=None, target_version=s, fingerprint=snap.fingerprint)
+        first = PlanStep(
+            kind="snapshot",
+            object=snapshot_ref,
+            base_version=None,
+            target_version=s,
+            fingerprint=snap.fingerprint,
+        )
         steps = [first] + [patch_step(stored(m.patch, 'patch'), m.version - 1, m) for m in chain]
         candidates.append((sum(st.object.size for st in steps), 3, "snapshot", steps))
         # For a worker with no usable patch path, one merged patch from the newest snapshot
@@ -54,7 +62,9 @@ async def cheapest_plan(run: str, state: RunState, target: Manifest, from_versio
         if not patch_path and s == snapshots[-1] and 2 <= b - s <= settings.max_merge_lag:
             merged = await merged_for(s, b, SNAPSHOT_LAG)
             if merged is not None:
-                candidates.append((snapshot_ref.size + merged.size, 3, "snapshot", [first, patch_step(merged, s, target)]))
+                candidates.append(
+                    (snapshot_ref.size + merged.size, 3, "snapshot", [first, patch_step(merged, s, target)])
+                )
     if not candidates:
         raise NotFound(f"no snapshot or chain reaches version {b} of run {run!r}")
     total, _, kind, steps = min(candidates, key=lambda c: (c[0], c[1]))

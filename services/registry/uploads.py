@@ -45,7 +45,9 @@ class UploadCheck:
                 if self.expected > self.limit:
                     raise TooLarge(f"{self.kind} of {self.expected} bytes exceeds the limit of {self.limit}")
                 if self.declared is not None and self.declared != self.expected:
-                    raise Invalid(f"Content-Length is {self.declared}, the {self.kind} says {self.expected} bytes")
+                    raise Invalid(
+                        f"Content-Length is {self.declared}, the {self.kind} says {self.expected} bytes"
+                    )
         if self.expected is not None and len(self.body) > self.expected:
             raise Invalid(f"{self.kind} is longer than the {self.expected} bytes its header declares")
 

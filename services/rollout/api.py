@@ -24,7 +24,9 @@ class GenerateRequest(BaseModel):
     seed: int | None = None
     kv_policy: Policy | None = Field(default=None, description="default: the server's")
     kv_budget: int | None = Field(default=None, ge=1)
-    kv: dict[str, Any] = Field(default_factory=dict, description="other KVConfig fields (window, kernel, ...)")
+    kv: dict[str, Any] = Field(
+        default_factory=dict, description="other KVConfig fields (window, kernel, ...)"
+    )
 
     @model_validator(mode="after")
     def _one_prompt_form(self) -> GenerateRequest:

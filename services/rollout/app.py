@@ -74,15 +74,26 @@ async def build_core(settings: RolloutSettings, client: RegistryClient | None) -
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("rollout_requests_total", "Generation requests", ["endpoint"], registry=self.registry)
+        self.requests = Counter(
+            "rollout_requests_total", "Generation requests", ["endpoint"], registry=self.registry
+        )
         self.tokens = Counter("rollout_generated_tokens_total", "Tokens generated", registry=self.registry)
         self.version = Gauge("rollout_weight_version", "Weight version served", registry=self.registry)
-        self.tokens_per_s = Gauge("rollout_tokens_per_second", "Mean generation throughput", registry=self.registry)
-        self.kv_peak = Gauge("rollout_kv_peak_bytes", "Peak KV bytes of the last batch", registry=self.registry)
+        self.tokens_per_s = Gauge(
+            "rollout_tokens_per_second", "Mean generation throughput", registry=self.registry
+        )
+        self.kv_peak = Gauge(
+            "rollout_kv_peak_bytes", "Peak KV bytes of the last batch", registry=self.registry
+        )
         self.leases = Gauge("rollout_leases_held", "Prompt-group leases held", registry=self.registry)
-        self.completed = Gauge("rollout_groups_completed", "Groups completed and counted", registry=self.registry)
-        self.failed_groups = Gauge("rollout_group_failures", "Group attempts that failed here (reward raised, ...)",
-                                   registry=self.registry)
+        self.completed = Gauge(
+            "rollout_groups_completed", "Groups completed and counted", registry=self.registry
+        )
+        self.failed_groups = Gauge(
+            "rollout_group_failures",
+            "Group attempts that failed here (reward raised, ...)",
+            registry=self.registry,
+        )
         self.syncs = Gauge("rollout_weight_syncs", "Weight syncs done", registry=self.registry)
         self.sync_fallbacks = Gauge("rollout_weight_sync_fallbacks", "Syncs that fell back to a snapshot",
                                     registry=self.registry)
@@ -152,7 +163,9 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
         liveness.watch(BOOT, booting, settings.stall_s, may_finish=True)
         # The usual start (registry up, run published) completes here, so the server starts ready;
         # a model that cannot load fails the start-up at once, as before.
-        await asyncio.wait({booting, asyncio.create_task(first_try.wait())}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(
+            {booting, asyncio.create_task(first_try.wait())}, return_when=asyncio.FIRST_COMPLETED
+        )
         if booting.done() and (failure := booting.exception()) is not None:
             raise failure
         if state["waiting"]:
@@ -169,8 +182,13 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
             if state["redis"] is not None:
                 await state["redis"].aclose()
 
-    app = FastAPI(title="sparsecast rollout", version="0.1.0", lifespan=lifespan, responses=error_responses(422),
-                  description="Sparse-KV generation, an OpenAI completions subset, live weight sync.")
+    app = FastAPI(
+        title="sparsecast rollout",
+        version="0.1.0",
+        lifespan=lifespan,
+        responses=error_responses(422),
+        description="Sparse-KV generation, an OpenAI completions subset, live weight sync.",
+    )
     install_error_handling(app)
     bearer = HTTPBearer(auto_error=False)
     generation = error_responses(400, 401, 413, 503)
@@ -181,18 +199,32 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
         return state["core"]
 
     def authorize(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        if settings.api_token and (creds is None or not secrets.compare_digest(creds.credentials, settings.api_token)):
+        if settings.api_token and (
+            creds is None or not secrets.compare_digest(creds.credentials, settings.api_token)
+        ):
             raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
     def check_budget(core: RolloutCore, sequences: int, max_tokens: int) -> None:
         if sequences > settings.max_batch:
-            raise HTTPException(413, f"request asks for {sequences} sequences (prompts × n); the limit is {settings.max_batch}")
+            raise HTTPException(
+                413,
+                f"request asks for {sequences} sequences (prompts × n); the limit is {settings.max_batch}",
+            )
         if max_tokens > settings.max_new_tokens_limit:
-            raise HTTPException(400, f"max_tokens={max_tokens} is over this server's limit of {settings.max_new_tokens_limit}")
+            raise HTTPException(
+                400, f"max_tokens={max_tokens} is over this server's limit of {settings.max_new_tokens_limit}"
+            )
 
-    @app.post("/v1/generate", response_model=GenerateResponse, dependencies=[Depends(authorize)], responses=generation)
+    @app.post(
+        "/v1/generate",
+        response_model=GenerateResponse,
+        dependencies=[Depends(authorize)],
+        responses=generation,
+    )
     async def generate(req: GenerateRequest, core: RolloutCore = Depends(get_core)) -> GenerateResponse:
-        prompts = req.prompt_ids if req.prompt_ids is not None else [core.encode(t) for t in req.prompts or []]
+        prompts = (
+            req.prompt_ids if req.prompt_ids is not None else [core.encode(t) for t in req.prompts or []]
+        )
         check_budget(core, len(prompts) * req.n, req.max_tokens)
         if refusal := kv_policy_refusal(core.engine.name, req.kv_policy):
             raise HTTPException(400, refusal)
@@ -236,7 +268,9 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
         _observe(metrics, core, batch)
         choices = []
         for i, out in enumerate(batch.outputs):
-            ids, logprobs, finish = _cut_at_stop(core, out.token_ids, out.logprobs, out.finish_reason, req.stops())
+            ids, logprobs, finish = _cut_at_stop(
+                core, out.token_ids, out.logprobs, out.finish_reason, req.stops()
+            )
             choice = {"index": i, "text": core.decode(ids), "finish_reason": finish, "logprobs": None}
             if req.logprobs is not None:
                 tokens = [core.tokenizer.decode([t]) for t in ids]
@@ -259,7 +293,10 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": settings.served_model_name, "object": "model", "owned_by": "sparsecast"}]}
+        return {
+            "object": "list",
+            "data": [{"id": settings.served_model_name, "object": "model", "owned_by": "sparsecast"}],
+        }
 
     @app.get("/v1/weights", response_model=WeightsInfo, responses=error_responses(503))
     async def weights(core: RolloutCore = Depends(get_core)) -> WeightsInfo:

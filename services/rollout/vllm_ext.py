@@ -94,7 +94,9 @@ class SparsecastWorkerExtension:
             # its kernel choice was fixed at construction (no FlashInfer under processed modes).
             topk_topp.logprobs_mode = "raw_logprobs"
 
-            def forward_v1(logits: torch.Tensor, generators: Any, k: Any, p: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            def forward_v1(
+                logits: torch.Tensor, generators: Any, k: Any, p: Any
+            ) -> tuple[torch.Tensor, torch.Tensor]:
                 logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)  # before in-place filtering
                 sampled, _ = inner(logits, generators, k, p)
                 return sampled, logprobs
@@ -104,7 +106,9 @@ class SparsecastWorkerExtension:
         if hasattr(sampler, "_sample_random"):  # model runner V2 (GPU)
             inner_random = sampler._sample_random
 
-            def sample_random_v2(processed_logits: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            def sample_random_v2(
+                processed_logits: torch.Tensor, *args: Any, **kwargs: Any
+            ) -> tuple[torch.Tensor, torch.Tensor]:
                 logprobs = processed_logits.log_softmax(dim=-1, dtype=torch.float32)
                 sampled, _ = inner_random(processed_logits, *args, **kwargs)
                 # vLLM log-softmaxes what it gets back again; log_softmax is idempotent.

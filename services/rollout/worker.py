@@ -179,7 +179,9 @@ class RolloutWorker:
                     self.duplicates += 1  # finished elsewhere first (our lease was reclaimed): not counted
                 self.held.remove(lease)
 
-    async def _generate(self, runnable: list[tuple[Lease, list[int]]]) -> list[tuple[Lease, list[int], list, Batch]]:
+    async def _generate(
+        self, runnable: list[tuple[Lease, list[int]]]
+    ) -> list[tuple[Lease, list[int], list, Batch]]:
         """One engine batch for all groups; if it raises, each group alone, so a group that breaks
         the engine fails by itself. Returns (lease, prompt ids, its outputs, batch) per group."""
         try:
@@ -213,8 +215,13 @@ class RolloutWorker:
         error = f"{type(exc).__name__}: {exc}"
         outcome = await self._call(lambda: self.coord.fail(lease, error))
         self.failed_groups += 1
-        log.warning("group %s failed on attempt %d (%s): %s", lease.group_id, lease.attempt,
-                    {"retry": "queued again", "dead": "dead-lettered", "lost": "lease already gone"}[outcome], error)
+        log.warning(
+            "group %s failed on attempt %d (%s): %s",
+            lease.group_id,
+            lease.attempt,
+            {"retry": "queued again", "dead": "dead-lettered", "lost": "lease already gone"}[outcome],
+            error,
+        )
         self.held.remove(lease)
 
     def _reject_reason(self, lease: Lease, ids: list[int]) -> str | None:

@@ -45,8 +45,13 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
         async with service.running():
             yield
 
-    app = FastAPI(title="sparsecast trainer", version="0.1.0", lifespan=lifespan, responses=error_responses(422),
-                  description="GRPO with Sparse-RL corrections; a sparse weight patch published every step.")
+    app = FastAPI(
+        title="sparsecast trainer",
+        version="0.1.0",
+        lifespan=lifespan,
+        responses=error_responses(422),
+        description="GRPO with Sparse-RL corrections; a sparse weight patch published every step.",
+    )
     install_error_handling(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     bearer = HTTPBearer(auto_error=False)
@@ -64,8 +69,11 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
 
     @app.post("/v1/prompts", dependencies=[Depends(authorize)], openapi_extra=PROMPTS_BODY,
               responses=error_responses(400, 401, 413, 415, 422, 429, 503))
-    async def submit_prompts(request: Request, task: str | None = Query(None, json_schema_extra={"enum": list_tasks()}),
-                             samples_per_prompt: int | None = Query(None, ge=1, le=1024)) -> PromptsAccepted:
+    async def submit_prompts(
+        request: Request,
+        task: str | None = Query(None, json_schema_extra={"enum": list_tasks()}),
+        samples_per_prompt: int | None = Query(None, ge=1, le=1024),
+    ) -> PromptsAccepted:
         """JSON body (PromptsRequest), or a JSONL upload (application/x-ndjson or multipart file):
         one object per line with `prompt` (or GSM8K-style `question`) and `answer`."""
         ctype = request.headers.get("content-type", "")
@@ -82,7 +90,9 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
             elif ctype.startswith(("application/x-ndjson", "application/jsonl", "text/plain")):
                 raw = await request.body()
             else:
-                raise HTTPException(415, "send application/json, application/x-ndjson (JSONL) or a multipart 'file'")
+                raise HTTPException(
+                    415, "send application/json, application/x-ndjson (JSONL) or a multipart 'file'"
+                )
             return await service.submit(task, samples_per_prompt, parse_jsonl(raw))
         except IntakeError as exc:
             raise HTTPException(exc.status, exc.detail) from exc

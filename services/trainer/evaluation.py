@@ -14,8 +14,16 @@ from shared.tasks import Task
 
 
 @torch.no_grad()
-def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task, prompts: list[tuple[str, str]],
-             *, sample: bool, seed: int = 0, batch_size: int = 64) -> dict[str, float]:
+def evaluate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    prompts: list[tuple[str, str]],
+    *,
+    sample: bool,
+    seed: int = 0,
+    batch_size: int = 64,
+) -> dict[str, float]:
     """Accuracy and mean reward over `prompts` (text, answer): greedy, or T = 1 over the whole
     vocabulary with `sample`."""
     was_training = model.training
@@ -23,7 +31,9 @@ def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: T
     rewards, correct = [], []
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
-    sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if sample else {"do_sample": False}
+    sampling = (
+        {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if sample else {"do_sample": False}
+    )
     devices = [model.device] if model.device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices):

@@ -83,7 +83,9 @@ def check_prompt(settings: TrainerSettings, task: Any, n: int, item: PromptIn) -
     except (UnicodeEncodeError, ValueError, TypeError, RecursionError) as exc:
         raise IntakeError(422, f"{where}: metadata is not UTF-8 JSON: {type(exc).__name__}") from exc
     if size > settings.max_metadata_bytes:
-        raise IntakeError(422, f"{where}: metadata is {size} bytes as JSON; the limit is {settings.max_metadata_bytes}")
+        raise IntakeError(
+            422, f"{where}: metadata is {size} bytes as JSON; the limit is {settings.max_metadata_bytes}"
+        )
     try:
         task.check_answer(item.answer)
     except ValueError as exc:
@@ -114,7 +116,11 @@ def json_prompts(raw: bytes, task: str | None, default_task: str) -> tuple[str, 
     except Exception as exc:  # a task without a generator (e.g. gsm8k needs a source)
         raise IntakeError(400, f"task {name!r} cannot generate prompts: {exc}") from exc
     budget = generator.max_new_tokens if spec.options else None
-    return name, body.samples_per_prompt, [PromptIn(prompt=p, answer=a, max_new_tokens=budget) for p, a in made]
+    return (
+        name,
+        body.samples_per_prompt,
+        [PromptIn(prompt=p, answer=a, max_new_tokens=budget) for p, a in made],
+    )
 
 
 async def enqueue(settings: TrainerSettings, ledger: GroupLedger, coord: Coordinator, task_name: str | None,
@@ -150,7 +156,9 @@ def parse_jsonl(raw: bytes) -> list[PromptIn]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
-        raise IntakeError(422, f"line {line}: not UTF-8 (byte {exc.start} of the upload: {exc.reason})") from exc
+        raise IntakeError(
+            422, f"line {line}: not UTF-8 (byte {exc.start} of the upload: {exc.reason})"
+        ) from exc
     items = []
     for n, row in enumerate(text.split("\n"), start=1):  # JSONL lines end at \n only, not at U+2028
         if not row.strip():
@@ -168,7 +176,10 @@ def parse_jsonl(raw: bytes) -> list[PromptIn]:
                 prompt, answer = numeric_row(str(obj["question"]), str(obj.get("answer", "")))
             except ValueError as exc:
                 raise IntakeError(422, f"line {n}: {exc}") from exc
-            obj = {k: v for k, v in obj.items() if k not in ("question", "answer")} | {"prompt": prompt, "answer": answer}
+            obj = {k: v for k, v in obj.items() if k not in ("question", "answer")} | {
+                "prompt": prompt,
+                "answer": answer,
+            }
         try:
             items.append(PromptIn.model_validate(obj))
         except ValidationError as exc:

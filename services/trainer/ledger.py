@@ -93,7 +93,11 @@ class GroupLedger:
         async with self.lock:
             # An id already open stays as it was; one already trained or dead is not reopened (its
             # new copy is dropped as a duplicate of the counted completion, as before).
-            fresh = [g for g in groups if g.id not in self.open and g.id not in self.trained and g.id not in self.dead]
+            fresh = [
+                g
+                for g in groups
+                if g.id not in self.open and g.id not in self.trained and g.id not in self.dead
+            ]
             if fresh:
                 await asyncio.to_thread(self._append, [{"submitted": [g.model_dump() for g in fresh]}])
                 self.open.update((g.id, g) for g in fresh)

@@ -57,17 +57,24 @@ class TrainerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         registry = self.registry
-        self.gauges = {name: Gauge(f"trainer_{name}", doc, registry=registry) for name, doc in {
-            "step": "Optimizer steps taken", "version": "Weight version published last",
-            "reward_mean": "Mean reward of the last batch", "accuracy": "Exact-answer rate of the last batch",
-            "rejection_rate": "Sequences vetoed by the Sparse-RL correction",
-            "token_mask_rate": "Tokens masked (ξ out of band)",
-            "xi_mean": "Mean ξ = π_old_dense/π_sampler", "kl_old_sampler": "KL(π_old_dense ‖ π_sampler) estimate",
-            "changed_fraction": "Fraction of bf16 weights changed by the last step",
-            "patch_bytes": "Bytes of the last patch",
-            "payload_ratio": "Dense bf16 bytes / patch bytes", "step_seconds": "Wall time of the last step",
-            "kv_saved": "KV memory the samplers saved vs a dense cache",
-        }.items()}
+        self.gauges = {
+            name: Gauge(f"trainer_{name}", doc, registry=registry)
+            for name, doc in {
+                "step": "Optimizer steps taken",
+                "version": "Weight version published last",
+                "reward_mean": "Mean reward of the last batch",
+                "accuracy": "Exact-answer rate of the last batch",
+                "rejection_rate": "Sequences vetoed by the Sparse-RL correction",
+                "token_mask_rate": "Tokens masked (ξ out of band)",
+                "xi_mean": "Mean ξ = π_old_dense/π_sampler",
+                "kl_old_sampler": "KL(π_old_dense ‖ π_sampler) estimate",
+                "changed_fraction": "Fraction of bf16 weights changed by the last step",
+                "patch_bytes": "Bytes of the last patch",
+                "payload_ratio": "Dense bf16 bytes / patch bytes",
+                "step_seconds": "Wall time of the last step",
+                "kv_saved": "KV memory the samplers saved vs a dense cache",
+            }.items()
+        }
         self.coord = Gauge("coord", "Coordination counters and depths", ["name"], registry=registry)
         self.faults = {name: Gauge(f"trainer_{name}", doc, registry=registry) for name, doc in {
             "requeued_groups": "Groups queued again because Redis no longer held them",
@@ -78,7 +85,9 @@ class TrainerMetrics:
         self.staleness = Gauge("trainer_staleness_groups", "Groups of the last batch by version lag", ["lag"],
                                registry=registry)
 
-    def update(self, trainer: Trainer | None, health: TrainerHealth, coord_stats: dict[str, Any] | None) -> None:
+    def update(
+        self, trainer: Trainer | None, health: TrainerHealth, coord_stats: dict[str, Any] | None
+    ) -> None:
         if trainer is not None:
             self.gauges["step"].set(trainer.step)
             self.gauges["version"].set(trainer.version)
@@ -117,7 +126,9 @@ class TrainerService:
         settings, state = self.settings, self.state
         redis = connect(settings.redis_url)
         coord = Coordinator(redis, settings.redis_prefix, settings.coord, run=settings.run)
-        client = RegistryClient(settings.registry_url, settings.run, token=self.token, retries=REGISTRY_RETRIES)
+        client = RegistryClient(
+            settings.registry_url, settings.run, token=self.token, retries=REGISTRY_RETRIES
+        )
         ledger = await asyncio.to_thread(GroupLedger.in_dir, settings.data_dir, settings.run)
         state["coord"], state["registry"], state["ledger"] = coord, client, ledger
         stop = asyncio.Event()
@@ -154,7 +165,9 @@ class TrainerService:
     def running_trainer(self) -> Trainer:
         """The trainer, or Unavailable while it starts or after it failed."""
         if self.trainer is None:
-            raise Unavailable(self.state["error"] or "trainer is starting (loading or warm-starting the model)")
+            raise Unavailable(
+                self.state["error"] or "trainer is starting (loading or warm-starting the model)"
+            )
         return self.trainer
 
     async def submit(self, task: str | None, samples: int | None, items: list[PromptIn]) -> PromptsAccepted:
@@ -235,8 +248,12 @@ class TrainerService:
             reasons.append(f"redis: {redis_error}")
         if registry_error:
             reasons.append(f"registry: {registry_error}")
-        return {"ready": not reasons, "state": trainer.state if trainer else "starting", "error": state["error"],
-                "reasons": reasons}
+        return {
+            "ready": not reasons,
+            "state": trainer.state if trainer else "starting",
+            "error": state["error"],
+            "reasons": reasons,
+        }
 
     async def metrics_text(self) -> bytes:
         stats = None

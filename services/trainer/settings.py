@@ -49,7 +49,9 @@ class TrainerSettings(ModelServiceSettings):
     # pass per step): the advantage-weighted log-prob change, > 0 when the update moved toward
     # the better samples of each group. A low-noise sign of learning where reward is noisy.
     measure_batch_gain: bool = False
-    checkpoint_every: int = Field(default=10, ge=0, description="steps between automatic checkpoints; 0 = off")
+    checkpoint_every: int = Field(
+        default=10, ge=0, description="steps between automatic checkpoints; 0 = off"
+    )
     # Held-out validation: every `eval_every` steps (and once before the first), the policy's T = 1
     # accuracy with a dense cache on `eval_prompts` fixed prompts of the default task, in the step's
     # metrics as heldout_accuracy / heldout_reward. 0 = off.

@@ -97,8 +97,13 @@ def build_model_config(recipe: WarmstartRecipe, tokenizer: PreTrainedTokenizerFa
     fields = qwen3_config(recipe.shape).to_dict()
     fields.pop("layer_types", None)  # derived from num_hidden_layers, which the overrides may change
     fields.update(recipe.model_overrides)
-    fields.update(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id, max_position_embeddings=512)
+    fields.update(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        max_position_embeddings=512,
+    )
     return Qwen3Config(**fields)
 
 
@@ -141,7 +146,9 @@ def _sft_batch(examples: list[tuple[str, str]], tokenizer: PreTrainedTokenizerFa
     return {"input_ids": input_ids, "attention_mask": attention, "labels": label_ids}
 
 
-def _sample_examples(tasks: dict[str, Task], mix: dict[str, float], n: int, rng: random.Random) -> list[tuple[str, str]]:
+def _sample_examples(
+    tasks: dict[str, Task], mix: dict[str, float], n: int, rng: random.Random
+) -> list[tuple[str, str]]:
     names = sorted(mix)
     chosen = rng.choices(names, weights=[mix[k] for k in names], k=n)
     out = []
@@ -171,7 +178,9 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
         if step < recipe.warmup_steps:
             return recipe.lr * (step + 1) / recipe.warmup_steps
         progress = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
-        return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+        return recipe.lr * (
+            recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        )
 
     model.train()
     losses, checks = [], []
@@ -185,8 +194,12 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
         batch = {k: v.to(device) for k, v in batch.items()}
         labels = batch.pop("labels")
         logits = model(**batch).logits[:, :-1]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-                                                 ignore_index=-100, label_smoothing=recipe.label_smoothing)
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            labels[:, 1:].reshape(-1),
+            ignore_index=-100,
+            label_smoothing=recipe.label_smoothing,
+        )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -200,8 +213,14 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
                 and (step + 1) % recipe.check_every == 0):
             # A fixed seed per check (not the data stream's), so checking never changes the training data.
             # Fixed prompts and sampling seeds per check, apart from the data stream's.
-            sampled = evaluate(model, tokenizer, first_task, first_task.make_prompts(recipe.eval_prompts, 7_000_001 + step),
-                               sample=True, seed=step)
+            sampled = evaluate(
+                model,
+                tokenizer,
+                first_task,
+                first_task.make_prompts(recipe.eval_prompts, 7_000_001 + step),
+                sample=True,
+                seed=step,
+            )
             checks.append({"step": step + 1, "sampled_accuracy": sampled["accuracy"]})
             print(f"warmstart step {step + 1} sampled accuracy {sampled['accuracy']:.3f}", flush=True)
             if sampled["accuracy"] >= recipe.sampled_target:
@@ -211,7 +230,9 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
     model = model.to(torch.bfloat16)
     metrics = {}
     if recipe.eval_prompts:
-        held_out = {name: tasks[name].make_prompts(recipe.eval_prompts, recipe.seed + 1_000_003) for name in tasks}
+        held_out = {
+            name: tasks[name].make_prompts(recipe.eval_prompts, recipe.seed + 1_000_003) for name in tasks
+        }
         metrics = {name: evaluate(model, tokenizer, tasks[name], held_out[name], sample=False)
                    | {"sampled": evaluate(model, tokenizer, tasks[name], held_out[name], sample=True)}
                    for name in sorted(tasks)}
@@ -270,9 +291,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--out", help="model directory to write (HF format, bf16)")
-    target.add_argument("--ensure", metavar="CACHE_DIR",
-                        help="make sure CACHE_DIR holds the default recipe's model: prints 'TRAINING <steps>' "
-                             "when it must be built, then 'MODEL <path>' (what `sparsecast demo` reads)")
+    target.add_argument(
+        "--ensure",
+        metavar="CACHE_DIR",
+        help="make sure CACHE_DIR holds the default recipe's model: prints 'TRAINING <steps>' "
+        "when it must be built, then 'MODEL <path>' (what `sparsecast demo` reads)",
+    )
     defaults = WarmstartRecipe()
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--seed", type=int, default=defaults.seed)
@@ -291,7 +315,9 @@ def main(argv: list[str] | None = None) -> None:
     recipe = WarmstartRecipe(steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
                              threads=args.threads, eval_prompts=args.eval_prompts)
     report = train_warmstart(recipe, args.out, log_every=args.log_every)
-    print(json.dumps({k: report[k] for k in ("final_loss", "train_seconds", "total_seconds", "eval")}, indent=2))
+    print(
+        json.dumps({k: report[k] for k in ("final_loss", "train_seconds", "total_seconds", "eval")}, indent=2)
+    )
 
 
 if __name__ == "__main__":

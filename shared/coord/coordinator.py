@@ -48,8 +48,12 @@ def connect(url: str) -> aioredis.Redis:
     vanished Redis surfaces as an error instead of a call that hangs, and no retries inside the
     client: the services' loops retry (shared.retry), so every dropped connection is seen, logged
     once per outage and counted, in one place."""
-    return aioredis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=CONNECT_TIMEOUT_S,
-                                   retry=Retry(NoBackoff(), 0))
+    return aioredis.Redis.from_url(
+        url,
+        socket_timeout=SOCKET_TIMEOUT_S,
+        socket_connect_timeout=CONNECT_TIMEOUT_S,
+        retry=Retry(NoBackoff(), 0),
+    )
 
 
 def lost_streams(exc: BaseException) -> bool:
@@ -66,8 +70,18 @@ class Coordinator:
         self.settings = settings or CoordSettings()
         self._scripts = {
             name: redis.register_script(getattr(scripts, name))
-            for name in ("ENQUEUE", "CLAIM", "HEARTBEAT", "RELEASE", "COMPLETE", "DEAD_LETTER", "FAIL", "MISSING",
-                         "REQUEUE", "EPOCH")
+            for name in (
+                "ENQUEUE",
+                "CLAIM",
+                "HEARTBEAT",
+                "RELEASE",
+                "COMPLETE",
+                "DEAD_LETTER",
+                "FAIL",
+                "MISSING",
+                "REQUEUE",
+                "EPOCH",
+            )
         }
         self._ready = False
         # Times this process found the run's streams gone and created them again (Redis data loss).
@@ -242,7 +256,14 @@ class Coordinator:
         return {decode(k): decode(v) for k, v in (await self.redis.hgetall(self.keys.failures)).items()}
 
     async def _dead_letter(
-        self, worker_id: str, entry_id: str, attempt: int, reason: str, payload: str, counter: str, group_id: str
+        self,
+        worker_id: str,
+        entry_id: str,
+        attempt: int,
+        reason: str,
+        payload: str,
+        counter: str,
+        group_id: str,
     ) -> bool:
         done = await self._script(
             "DEAD_LETTER",
@@ -448,7 +469,13 @@ class Coordinator:
         args: list[Any] = []
         for g in groups:
             args += [g.id, g.model_dump_json()]
-        keys = [self.keys.prompts, self.keys.trajectories, self.keys.dead, self.keys.completed, self.keys.stats]
+        keys = [
+            self.keys.prompts,
+            self.keys.trajectories,
+            self.keys.dead,
+            self.keys.completed,
+            self.keys.stats,
+        ]
         return [decode(i) for i in await self._script("REQUEUE", keys, args)]
 
     # ---- observability ------------------------------------------------------------------------

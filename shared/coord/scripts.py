@@ -63,7 +63,8 @@ for _, e in ipairs(r[2]) do
       end
       redis.call('XACK', KEYS[1], group, id)
       redis.call('XDEL', KEYS[1], id)
-      redis.call('XADD', KEYS[2], '*', 'entry_id', id, 'group', payload, 'group_id', gid, 'attempts', attempt - 1,
+      redis.call('XADD', KEYS[2], '*', 'entry_id', id, 'group', payload, 'group_id', gid, 'attempts',
+      attempt - 1,
         'reason', 'max_attempts: ' .. (attempt - 1) .. ' leases expired without completion')
       dead = dead + 1
     else
@@ -160,7 +161,8 @@ local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)[1]
 if not p or p[2] ~= ARGV[2] or p[4] ~= tonumber(ARGV[4]) then return 0 end
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 redis.call('XDEL', KEYS[1], ARGV[3])
-redis.call('XADD', KEYS[2], '*', 'entry_id', ARGV[3], 'group', ARGV[6], 'group_id', ARGV[8], 'attempts', ARGV[4],
+redis.call('XADD', KEYS[2], '*', 'entry_id', ARGV[3], 'group', ARGV[6], 'group_id', ARGV[8], 'attempts',
+ARGV[4],
   'worker_id', ARGV[2], 'reason', ARGV[5])
 redis.call('HINCRBY', KEYS[3], 'dead_letters', 1)
 redis.call('HINCRBY', KEYS[3], ARGV[7], 1)
@@ -190,7 +192,8 @@ if attempt >= tonumber(ARGV[7]) then
   redis.call('HINCRBY', KEYS[3], 'failed_groups', 1)
   return 2
 end
-redis.call('XCLAIM', KEYS[1], ARGV[1], '~released', 0, ARGV[3], 'IDLE', ARGV[8], 'RETRYCOUNT', attempt, 'JUSTID')
+redis.call('XCLAIM', KEYS[1], ARGV[1], '~released', 0, ARGV[3], 'IDLE', ARGV[8], 'RETRYCOUNT', attempt,
+'JUSTID')
 return 1
 """
 

@@ -164,7 +164,9 @@ def decompress(data: bytes | memoryview, raw_length: int, what: str) -> bytes:
             raise CorruptPatchError(f"{what}: zstd frame declares {declared} bytes, header says {raw_length}")
         if frame.dict_id:
             raise CorruptPatchError(f"{what}: zstd frame needs a dictionary")
-        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_length, allow_extra_data=False)
+        out = zstandard.ZstdDecompressor().decompress(
+            data, max_output_size=raw_length, allow_extra_data=False
+        )
     except zstandard.ZstdError as e:
         raise CorruptPatchError(f"{what}: zstd: {e}") from e
     if len(out) != raw_length:
@@ -206,7 +208,9 @@ def sparse_delta(old_u: torch.Tensor, new_u: torch.Tensor, width: int) -> torch.
 
 def _entropy_code(raw: RawChange) -> EncodedTensor:
     index = compress(raw.index_raw.numpy().tobytes())
-    options = [(e, r) for e, r in (("bitdelta", raw.bitdelta_raw), ("values", raw.values_raw)) if r is not None]
+    options = [
+        (e, r) for e, r in (("bitdelta", raw.bitdelta_raw), ("values", raw.values_raw)) if r is not None
+    ]
     coded = [(len(c), e, c, r.numel()) for e, r in options for c in [compress(r.numpy().tobytes())]]
     _, encoding, payload, payload_raw_length = min(coded, key=lambda x: x[0])
     return EncodedTensor(
@@ -364,7 +368,9 @@ class DecodedTensor:
     old_bits: torch.Tensor  # what is there now (to restore on failure)
 
 
-def decode_streams(entry: TensorEntry, index: bytes | memoryview, payload: bytes | memoryview) -> tuple[bytes, bytes]:
+def decode_streams(
+    entry: TensorEntry, index: bytes | memoryview, payload: bytes | memoryview
+) -> tuple[bytes, bytes]:
     return (
         decompress(index, entry.index.raw_length, f"{entry.name}: index stream"),
         decompress(payload, entry.payload.raw_length, f"{entry.name}: payload stream"),
@@ -390,7 +396,9 @@ def decode_sparse(
     return indices, unzigzag(u) if entry.encoding == "bitdelta" else u
 
 
-def decode_tensor(entry: TensorEntry, index_raw: bytes, payload_raw: bytes, target: torch.Tensor) -> DecodedTensor:
+def decode_tensor(
+    entry: TensorEntry, index_raw: bytes, payload_raw: bytes, target: torch.Tensor
+) -> DecodedTensor:
     """Indices and new bit patterns for `target`, validated; reads but never writes `target`."""
     if tuple(target.shape) != entry.shape or dtype_name(target.dtype) != entry.dtype:
         raise TensorMismatchError(
@@ -409,14 +417,18 @@ def stream_bytes(data: bytes | memoryview, header: PatchHeader, stream: Stream) 
     return memoryview(data)[start : start + stream.length]
 
 
-def decode_patch(data: bytes | memoryview, header: PatchHeader, state: Mapping[str, torch.Tensor]) -> list[DecodedTensor]:
+def decode_patch(
+    data: bytes | memoryview, header: PatchHeader, state: Mapping[str, torch.Tensor]
+) -> list[DecodedTensor]:
     """Decode every tensor of a (checksum-verified) patch against `state`, writing nothing."""
     for entry in header.tensors:
         if entry.name not in state:
             raise UnknownTensorError(f"patch changes {entry.name!r}, which the model does not have")
     raws = list(
         _POOL.map(
-            lambda e: decode_streams(e, stream_bytes(data, header, e.index), stream_bytes(data, header, e.payload)),
+            lambda e: decode_streams(
+                e, stream_bytes(data, header, e.index), stream_bytes(data, header, e.payload)
+            ),
             header.tensors,
         )
     )

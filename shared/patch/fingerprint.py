@@ -62,7 +62,9 @@ def _rows(count: int, device: torch.device) -> torch.Tensor:
     """B[0:count], cached per device (grown in powers of two)."""
     cached = _row_cache.get(device)
     if cached is None or cached.numel() < count:
-        cached = _row_cache[device] = _row_multiplier_values(0, 1 << max(10, (count - 1).bit_length()), device)
+        cached = _row_cache[device] = _row_multiplier_values(
+            0, 1 << max(10, (count - 1).bit_length()), device
+        )
     return cached[:count]
 
 
@@ -121,7 +123,9 @@ def _short_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
     starts = (torch.cumsum(lengths, 0) - lengths).to(device, non_blocking=True)
     # non_blocking: a plain host-to-GPU copy would wait for every kernel queued before it.
     segment = torch.repeat_interleave(
-        torch.arange(len(words), device=device), lengths.to(device, non_blocking=True), output_size=int(lengths.sum())
+        torch.arange(len(words), device=device),
+        lengths.to(device, non_blocking=True),
+        output_size=int(lengths.sum()),
     )
     flat = torch.cat(words)
     position = torch.arange(flat.numel(), device=device) - starts[segment]
@@ -188,7 +192,9 @@ def device_sums(tensors: list[torch.Tensor], *, stacked: bool | None = None) -> 
             per_stack = max(1, _SLICE_ROWS // (n_words // _ROW))
         else:
             per_stack = 1
-        batches += [(n_words, members[start : start + per_stack]) for start in range(0, len(members), per_stack)]
+        batches += [
+            (n_words, members[start : start + per_stack]) for start in range(0, len(members), per_stack)
+        ]
     position = [0] * len(tensors)  # where each input's sum lands in the concatenated batch sums
     for j, i in enumerate(i for _, members in batches for i in members):
         position[i] = j

@@ -77,7 +77,9 @@ def _resolve(name: str, f: _Folded, base: Mapping[str, torch.Tensor] | None) -> 
             raise WrongBaseError(f"base has no tensor {name!r}")
         t = base[name]
         if tuple(t.shape) != f.shape or dtype_name(t.dtype) != f.dtype:
-            raise TensorMismatchError(f"{name}: base is {tuple(t.shape)} {t.dtype}, patches {f.shape} {f.dtype}")
+            raise TensorMismatchError(
+                f"{name}: base is {tuple(t.shape)} {t.dtype}, patches {f.shape} {f.dtype}"
+            )
         old_u = to_unsigned(bits(t)[f.indices.to(t.device)].cpu(), width)
         new_u = torch.where(f.is_set, f.value, old_u + f.value) & mask
         keep = torch.nonzero(new_u != old_u).view(-1)

@@ -27,7 +27,12 @@ def save_snapshot(state: Mapping[str, torch.Tensor], *, run: str, version: int) 
     fp = fingerprint(state)
     # Always copy to the host: safetensors refuses tensors sharing storage (tied embeddings).
     host = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in state.items()}
-    meta = {"format": "pt", "sparsecast.run": run, "sparsecast.version": str(version), "sparsecast.fingerprint": fp}
+    meta = {
+        "format": "pt",
+        "sparsecast.run": run,
+        "sparsecast.version": str(version),
+        "sparsecast.fingerprint": fp,
+    }
     return save(host, metadata=meta)
 
 
@@ -69,12 +74,16 @@ def snapshot_info(data: bytes) -> SnapshotInfo:
         raise TruncatedPatchError("snapshot shorter than its header")
     try:
         meta = json.loads(data[8:size]).get("__metadata__") or {}
-        return SnapshotInfo(meta["sparsecast.run"], int(meta["sparsecast.version"]), meta["sparsecast.fingerprint"])
+        return SnapshotInfo(
+            meta["sparsecast.run"], int(meta["sparsecast.version"]), meta["sparsecast.fingerprint"]
+        )
     except (ValueError, KeyError, AttributeError, TypeError) as e:
         raise FormatError(f"not a sparsecast snapshot: {e}") from e
 
 
-def load_snapshot(data: bytes | memoryview, *, verify: bool = True) -> tuple[dict[str, torch.Tensor], SnapshotInfo]:
+def load_snapshot(
+    data: bytes | memoryview, *, verify: bool = True
+) -> tuple[dict[str, torch.Tensor], SnapshotInfo]:
     """Tensors (on the host) and info; with verify, the tensors must have the recorded fingerprint."""
     if not isinstance(data, bytes):  # safetensors parses only bytes (a download is a memoryview)
         data = bytes(data)

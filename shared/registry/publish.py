@@ -12,7 +12,9 @@ from shared.registry.wire import METRICS_HEADER, Manifest
 class Publisher(RegistryTransport):
     """Writes of one run (the registry checks the token; uploads are never retried once sent)."""
 
-    async def publish_patch(self, version: int, data: bytes, metrics: dict[str, Any] | None = None) -> Manifest:
+    async def publish_patch(
+        self, version: int, data: bytes, metrics: dict[str, Any] | None = None
+    ) -> Manifest:
         headers = {METRICS_HEADER: json.dumps(metrics)} if metrics else {}
         return Manifest.model_validate(await self._put(f"patches/{version}", data, headers))
 

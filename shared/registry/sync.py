@@ -145,7 +145,9 @@ async def _install_snapshot(into: WeightTarget, client: RegistryClient, plan: Pl
 
     tensors, fp = await asyncio.to_thread(build)  # decoded off the lock, while generation goes on
     if fp != plan.fingerprint:
-        raise CorruptObjectError(f"snapshot path ends at fingerprint {fp}, the plan promised {plan.fingerprint}")
+        raise CorruptObjectError(
+            f"snapshot path ends at fingerprint {fp}, the plan promised {plan.fingerprint}"
+        )
     async with into.writing():
         into.phase("applying")
         state = into.state()
@@ -156,7 +158,9 @@ async def _install_snapshot(into: WeightTarget, client: RegistryClient, plan: Pl
                                  f"extra {extra[:3]})")
             for name, tensor in tensors.items():  # check everything before the first write
                 if state[name].shape != tensor.shape or state[name].dtype != tensor.dtype:
-                    raise ValueError(f"{name}: snapshot has {tensor.dtype}{list(tensor.shape)}, weights differ")
+                    raise ValueError(
+                        f"{name}: snapshot has {tensor.dtype}{list(tensor.shape)}, weights differ"
+                    )
             with torch.no_grad():
                 for name, tensor in tensors.items():
                     state[name].copy_(tensor)

@@ -67,7 +67,9 @@ class CountdownTask(Task):
         rng = random.Random(seed)
         out: list[tuple[str, str]] = []
         while len(out) < n:
-            numbers = [rng.randint(1, self.max_value) for _ in range(rng.randint(self.min_numbers, self.max_numbers))]
+            numbers = [
+                rng.randint(1, self.max_value) for _ in range(rng.randint(self.min_numbers, self.max_numbers))
+            ]
             # Build the target by a random chain of steps, so every prompt is solvable.
             pool = list(numbers)
             while len(pool) > 1:

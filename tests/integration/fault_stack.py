@@ -129,7 +129,9 @@ class Stack:
         return r.json()
 
     def wait_ready(self, timeout: float = 120) -> None:
-        wait_for(lambda: get(f"{self.trainer_url}/readyz").status_code == 200, timeout, "the trainer to be ready")
+        wait_for(
+            lambda: get(f"{self.trainer_url}/readyz").status_code == 200, timeout, "the trainer to be ready"
+        )
 
     def wait_step(self, step: int, timeout: float = 300) -> dict:
         """Until step `step` is trained and published (a fresh run publishes v<step> for it)."""

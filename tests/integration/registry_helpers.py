@@ -72,7 +72,9 @@ def clone(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     """Bit-exact equality (views as int16 so NaN patterns compare too)."""
-    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a
+    )
 
 
 @contextmanager

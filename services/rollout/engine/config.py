@@ -42,11 +42,17 @@ class KVConfig(BaseModel):
     # compressed back to budget (R-KV, Sparse-RL: every 128 decode steps).
     buffer: int = Field(default=DEFAULT_KV_BUFFER, ge=1)
     keep_prompt: bool = True
-    window: int = Field(default=8, ge=1, description="observation window: recent queries that score, recent keys always kept")
+    window: int = Field(
+        default=8, ge=1, description="observation window: recent queries that score, recent keys always kept"
+    )
     kernel: int = Field(default=7, ge=1, description="max/avg pooling kernel over importance (odd)")
     pooling: Literal["max", "avg"] = "max"
-    mix_lambda: float = Field(default=0.1, ge=0.0, le=1.0, description="R-KV: λ·importance − (1−λ)·redundancy")
-    similarity_threshold: float = Field(default=0.5, ge=-1.0, le=1.0, description="R-KV near-duplicate cosine")
+    mix_lambda: float = Field(
+        default=0.1, ge=0.0, le=1.0, description="R-KV: λ·importance − (1−λ)·redundancy"
+    )
+    similarity_threshold: float = Field(
+        default=0.5, ge=-1.0, le=1.0, description="R-KV near-duplicate cosine"
+    )
     sink_tokens: int = Field(default=4, ge=0, description="streaming: first tokens always kept")
 
     @model_validator(mode="after")
@@ -85,4 +91,12 @@ def check_token_ids(prompts: list[list[int]], params: SamplingParams, vocab_size
         raise ValueError(f"stop_token_ids outside the vocabulary [0, {vocab_size})")
 
 
-__all__ = ["FinishReason", "GenerationOutput", "KVConfig", "KVStats", "Policy", "SamplingParams", "check_token_ids"]
+__all__ = [
+    "FinishReason",
+    "GenerationOutput",
+    "KVConfig",
+    "KVStats",
+    "Policy",
+    "SamplingParams",
+    "check_token_ids",
+]

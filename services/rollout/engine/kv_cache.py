@@ -103,7 +103,9 @@ class KVCache:
         for layer in range(self.k.shape[0]):
             score = self.policy.score(self, layer, span, valid).float()
             score = score.expand(-1, self.num_kv_heads, -1)
-            score = score.masked_fill(forced[:, None], float("inf")).masked_fill(~valid[:, None], float("-inf"))
+            score = score.masked_fill(forced[:, None], float("inf")).masked_fill(
+                ~valid[:, None], float("-inf")
+            )
             order = score.argsort(dim=-1, descending=True, stable=True)
             kept = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, order, rank_ok.expand_as(score))
             # Kept slots first, in their original (chronological) order.

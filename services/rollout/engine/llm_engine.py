@@ -36,7 +36,8 @@ class LLMEngine:
 
     def __init__(self, model_or_config: DecoderLM | PretrainedConfig, *, device: str | torch.device = "cpu",
                  dtype: torch.dtype | None = None) -> None:
-        """Wrap a DecoderLM, or build one with random weights from a transformers config (tests, benchmarks)."""
+        """Wrap a DecoderLM, or build one with random weights from a transformers config (tests,
+        benchmarks)."""
         model = model_or_config if isinstance(model_or_config, DecoderLM) else DecoderLM(model_or_config)
         if dtype is not None:
             model = model.to(dtype)
@@ -77,14 +78,24 @@ class LLMEngine:
         with sdpa_kernel(_SDPA_BACKENDS):
             return self._generate(prompts, params, kv)
 
-    def _generate(self, prompts: list[list[int]], params: SamplingParams, kv: KVConfig) -> list[GenerationOutput]:
+    def _generate(
+        self, prompts: list[list[int]], params: SamplingParams, kv: KVConfig
+    ) -> list[GenerationOutput]:
         dev, model = self.device, self.model
         lengths = [len(p) for p in prompts]
         batch, width, max_new = len(prompts), max(lengths), params.max_new_tokens
         seqs = [Sequence(i, n) for i, n in enumerate(lengths)]
-        cache = KVCache(num_layers=model.num_layers, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
-                        head_dim=model.head_dim, prompt_lengths=lengths,
-                        capacity=cache_capacity(lengths, max_new, kv), kv=kv, dtype=self.dtype, device=dev)
+        cache = KVCache(
+            num_layers=model.num_layers,
+            num_heads=model.num_heads,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            prompt_lengths=lengths,
+            capacity=cache_capacity(lengths, max_new, kv),
+            kv=kv,
+            dtype=self.dtype,
+            device=dev,
+        )
         self.last_batch_kv_bytes = cache.nbytes
 
         ids = torch.zeros((batch, width), dtype=torch.long)

@@ -16,7 +16,9 @@ import torch
 from services.rollout.engine.config import SamplingParams
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(
+    logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] (any dtype), uniforms [B] in [0, 1) -> (tokens [B] int64, logprobs [B] fp32)."""
     logits = logits.float()
     if params.temperature == 0.0:

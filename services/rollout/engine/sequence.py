@@ -43,7 +43,9 @@ class Sequence:
         self.num_generated, self.finish_reason = step + 1, reason
         self.settle(step)
 
-    def to_output(self, token_ids: list[int], logprobs: list[float], bytes_per_token: int) -> GenerationOutput:
+    def to_output(
+        self, token_ids: list[int], logprobs: list[float], bytes_per_token: int
+    ) -> GenerationOutput:
         n = self.num_generated
         return GenerationOutput(
             token_ids=token_ids[:n], logprobs=logprobs[:n], finish_reason=self.finish_reason or "length",

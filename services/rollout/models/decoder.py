@@ -86,7 +86,8 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D]; cos/signed_sin [B, 1, T, D] from RotaryEmbedding (transformers' x·cos + rotate_half(x)·sin)."""
+    """x [B, H, T, D]; cos/signed_sin [B, 1, T, D] from RotaryEmbedding (transformers' x·cos +
+    rotate_half(x)·sin)."""
     *lead, d = x.shape
     swapped = x.unflatten(-1, (2, d // 2)).flip(-2).flatten(-2)
     return x * cos + swapped * signed_sin
@@ -164,7 +165,9 @@ class Backbone(nn.Module):
 
 def check_config(config: PretrainedConfig) -> None:
     if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {config.model_type!r} not supported; use one of {SUPPORTED_MODEL_TYPES}")
+        raise ValueError(
+            f"model_type {config.model_type!r} not supported; use one of {SUPPORTED_MODEL_TYPES}"
+        )
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {config.hidden_act!r} not supported (only silu)")
     layer_types = getattr(config, "layer_types", None) or []

@@ -64,9 +64,17 @@ def stack(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
     prefix = f"test:{uuid.uuid4().hex[:12]}"
     registry_app = create_registry(RegistrySettings(store_url="memory://", api_token=TOKEN))
     with serve_app(registry_app) as registry_url:
-        settings = TrainerSettings(model=tiny_model_dir, data_dir=str(tmp_path_factory.mktemp("trainer")), run=RUN,
-                                   api_token=TOKEN, registry_url=registry_url, redis_url=REDIS_URL,
-                                   redis_prefix=prefix, device="cpu", checkpoint_every=0)
+        settings = TrainerSettings(
+            model=tiny_model_dir,
+            data_dir=str(tmp_path_factory.mktemp("trainer")),
+            run=RUN,
+            api_token=TOKEN,
+            registry_url=registry_url,
+            redis_url=REDIS_URL,
+            redis_prefix=prefix,
+            device="cpu",
+            checkpoint_every=0,
+        )
         trainer_app = create_trainer(settings)
         with serve_app(trainer_app) as trainer_url:
             state = trainer_app.state.trainer
@@ -98,7 +106,9 @@ def cli_json(capsys: pytest.CaptureFixture, *argv: str) -> dict | list:
     return json.loads(out)
 
 
-def test_status_reports_run_version_queue_and_workers(stack: dict[str, str], capsys: pytest.CaptureFixture) -> None:
+def test_status_reports_run_version_queue_and_workers(
+    stack: dict[str, str], capsys: pytest.CaptureFixture
+) -> None:
     status = cli_json(capsys, "status", "--trainer-url", stack["trainer"])
     assert status["run"] == RUN and status["version"] == 0 and status["state"] in ("collecting", "running")
     assert [w["worker_id"] for w in status["workers"]] == ["w-cli"]
@@ -107,13 +117,22 @@ def test_status_reports_run_version_queue_and_workers(stack: dict[str, str], cap
     assert f"run {RUN}" in out and "w-cli" in out and "rkv@32" in out
 
 
-def test_versions_from_trainer_and_from_registry_agree(stack: dict[str, str], capsys: pytest.CaptureFixture) -> None:
+def test_versions_from_trainer_and_from_registry_agree(
+    stack: dict[str, str], capsys: pytest.CaptureFixture
+) -> None:
     via_trainer = cli_json(capsys, "versions", "--trainer-url", stack["trainer"])
     via_registry = cli_json(capsys, "versions", "--registry-url", stack["registry"], "--run", RUN)
     assert via_trainer["run"] == via_registry["run"] == RUN
     assert [v["version"] for v in via_trainer["versions"]] == [0, 1, 2]
     for a, b in zip(via_trainer["versions"], via_registry["versions"], strict=True):
-        for key in ("version", "patch_bytes", "snapshot_bytes", "dense_bytes", "payload_ratio", "changed_fraction"):
+        for key in (
+            "version",
+            "patch_bytes",
+            "snapshot_bytes",
+            "dense_bytes",
+            "payload_ratio",
+            "changed_fraction",
+        ):
             assert a[key] == b[key], key
     v2 = via_registry["versions"][2]
     assert v2["base_version"] == 1 and 0 < v2["patch_bytes"] < v2["dense_bytes"]
@@ -122,7 +141,9 @@ def test_versions_from_trainer_and_from_registry_agree(stack: dict[str, str], ca
     assert code == 0 and "v2" in out and "2 patches" in out and "less)" in out
 
 
-def test_workers_lists_version_lag_leases_and_speed(stack: dict[str, str], capsys: pytest.CaptureFixture) -> None:
+def test_workers_lists_version_lag_leases_and_speed(
+    stack: dict[str, str], capsys: pytest.CaptureFixture
+) -> None:
     (worker,) = cli_json(capsys, "workers", "--trainer-url", stack["trainer"])
     assert worker["worker_id"] == "w-cli" and worker["weight_version"] == 1 and worker["leases"] == 2
     code, out, _ = run_cli(capsys, "workers", "--trainer-url", stack["trainer"])
@@ -137,7 +158,9 @@ def test_submit_from_arguments_jsonl_and_generator(stack: dict[str, str], capsys
                    "add 12+34\\n", "add 5+6\\n", "--answer", "46", "--answer", "11")
     assert got["count"] == 2 and got["task"] == "addition" and got["samples_per_prompt"] == 3
     jsonl = tmp_path / "prompts.jsonl"
-    jsonl.write_text('{"prompt": "add 1+2\\n", "answer": "3"}\n\n{"question": "What is 2+2?", "answer": "so #### 4"}\n')
+    jsonl.write_text(
+        '{"prompt": "add 1+2\\n", "answer": "3"}\n\n{"question": "What is 2+2?", "answer": "so #### 4"}\n'
+    )
     assert cli_json(capsys, "submit", *url, "--file", str(jsonl), "--samples", "2")["count"] == 2
     code, out, _ = run_cli(capsys, "submit", *url, "--generate", "5", "--seed", "7")
     assert code == 0 and "queued 5 prompt groups" in out
@@ -149,35 +172,61 @@ def test_exit_codes(stack: dict[str, str], capsys: pytest.CaptureFixture, tmp_pa
     # API errors: wrong token, unknown task, a service that is not there → 1 with the reason.
     code, _, err = run_cli(capsys, "submit", *url, "--token", "wrong", "--generate", "1")
     assert code == 1 and "401" in err and "token" in err
-    code, _, err = run_cli(capsys, "submit", *url, "--token", TOKEN, "--task", "no-such-task", "--generate", "1")
+    code, _, err = run_cli(
+        capsys, "submit", *url, "--token", TOKEN, "--task", "no-such-task", "--generate", "1"
+    )
     assert code == 1 and "400" in err and "no-such-task" in err
-    code, _, err = run_cli(capsys, "status", "--trainer-url", f"http://127.0.0.1:{free_port()}", "--timeout", "2")
+    code, _, err = run_cli(
+        capsys, "status", "--trainer-url", f"http://127.0.0.1:{free_port()}", "--timeout", "2"
+    )
     assert code == 1 and "cannot reach the trainer" in err
     # Usage errors → 2, before any request is made.
     bad_jsonl = tmp_path / "bad.jsonl"
     bad_jsonl.write_text('{"prompt": "x"}\nnot json\n')
-    for argv in (["submit", *url], ["submit", *url, "a", "b", "--answer", "1"], ["submit", *url, "--file", str(bad_jsonl)],
-                 ["submit", *url, "--file", str(tmp_path / "missing.jsonl")], ["submit", *url, "x", "--generate", "2"],
-                 ["no-such-command"], ["demo", "--steps", "0"], ["bench", "no-such-bench"], []):
+    for argv in (
+        ["submit", *url],
+        ["submit", *url, "a", "b", "--answer", "1"],
+        ["submit", *url, "--file", str(bad_jsonl)],
+        ["submit", *url, "--file", str(tmp_path / "missing.jsonl")],
+        ["submit", *url, "x", "--generate", "2"],
+        ["no-such-command"],
+        ["demo", "--steps", "0"],
+        ["bench", "no-such-bench"],
+        [],
+    ):
         code, _, err = run_cli(capsys, *argv)
         assert code == 2, (argv, err)
         assert "usage" in err.lower() or "error" in err.lower()
     code, out, _ = run_cli(capsys, "--help")
-    assert code == 0 and all(name in out for name in ("demo", "submit", "status", "versions", "workers", "bench"))
+    assert code == 0 and all(
+        name in out for name in ("demo", "submit", "status", "versions", "workers", "bench")
+    )
 
 
 def test_help_of_each_command_and_bench_listing(capsys: pytest.CaptureFixture) -> None:
-    for command, needle in (("demo", "--keep-running"), ("submit", "--generate"), ("versions", "--registry-url"),
-                            ("status", "--trainer-url"), ("workers", "--json"), ("bench", "bench/results")):
+    for command, needle in (
+        ("demo", "--keep-running"),
+        ("submit", "--generate"),
+        ("versions", "--registry-url"),
+        ("status", "--trainer-url"),
+        ("workers", "--json"),
+        ("bench", "bench/results"),
+    ):
         code, out, _ = run_cli(capsys, command, "--help")
         assert code == 0 and needle in out, command
     listed = cli_json(capsys, "bench")
     assert isinstance(listed, list)
-    assert sorted(listed) == sorted(p.stem for p in (REPO_ROOT / "bench").glob("*.py") if not p.stem.startswith("_"))
+    assert sorted(listed) == sorted(
+        p.stem for p in (REPO_ROOT / "bench").glob("*.py") if not p.stem.startswith("_")
+    )
 
 
 def test_runs_as_a_module_with_exit_codes() -> None:
-    ok = subprocess.run([sys.executable, "-m", "services.cli", "status", "--help"], capture_output=True, text=True)
+    ok = subprocess.run(
+        [sys.executable, "-m", "services.cli", "status", "--help"], capture_output=True, text=True
+    )
     assert ok.returncode == 0 and "sparsecast status" in ok.stdout
-    usage = subprocess.run([sys.executable, "-m", "services.cli", "status", "--bogus"], capture_output=True, text=True)
+    usage = subprocess.run(
+        [sys.executable, "-m", "services.cli", "status", "--bogus"], capture_output=True, text=True
+    )
     assert usage.returncode == 2 and "unrecognized arguments" in usage.stderr

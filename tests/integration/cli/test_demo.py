@@ -17,7 +17,9 @@ SHORT = ("--steps", "2", "--workers", "1", "--groups", "2", "--samples", "4")
 
 def test_demo_trains_publishes_and_leaves_nothing_running(tmp_path: Path, tiny_model_dir: str) -> None:
     folder = tmp_path / "demo"
-    run = DemoRun(*SHORT, "--kv-policy", "rkv", "--kv-budget", "16", "--model", tiny_model_dir, "--dir", str(folder))
+    run = DemoRun(
+        *SHORT, "--kv-policy", "rkv", "--kv-budget", "16", "--model", tiny_model_dir, "--dir", str(folder)
+    )
     try:
         code = run.wait(timeout=400)
     finally:

@@ -36,8 +36,12 @@ def test_demo_learns(seed: int, tmp_path: Path) -> None:
     assert code == 0, run.output
     summary = json.loads(report.read_text())["summary"]
     rise = summary["accuracy_last3"] - summary["accuracy_first3"]
-    assert rise >= MIN_RISE, f"seed {seed}: accuracy {summary['accuracy_first3']:.3f} → {summary['accuracy_last3']:.3f}"
+    assert rise >= MIN_RISE, (
+        f"seed {seed}: accuracy {summary['accuracy_first3']:.3f} → {summary['accuracy_last3']:.3f}"
+    )
     assert summary["heldout_accuracy_end"] > summary["heldout_accuracy_start"], summary
     assert summary["kv_saved"] >= MIN_KV_SAVED, summary
-    assert summary["rejection_rate"] < 0.6, summary  # measured 0.49-0.51: the run keeps learning from the rest
+    assert summary["rejection_rate"] < 0.6, (
+        summary
+    )  # measured 0.49-0.51: the run keeps learning from the rest
     assert run.leftovers() == []

@@ -46,7 +46,9 @@ async def test_reclaim_does_not_exceed_what_the_caller_asked(make_coord: CoordFa
     assert [lease.attempt for lease in await coord.claim("b", 5)] == [2]
 
 
-async def test_failed_group_counts_attempts_and_is_dead_lettered_with_its_error(make_coord: CoordFactory) -> None:
+async def test_failed_group_counts_attempts_and_is_dead_lettered_with_its_error(
+    make_coord: CoordFactory,
+) -> None:
     """Row 3: each failure uses an attempt and records the error; the last one dead-letters."""
     coord = make_coord(max_attempts=3, lease_ttl_s=30)
     await coord.enqueue(groups(2))

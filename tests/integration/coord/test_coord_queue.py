@@ -109,7 +109,9 @@ async def test_malformed_entries_dead_lettered_and_consumer_continues(make_coord
     await coord.redis.xadd(coord.keys.prompts, {"junk": "1"})
     await coord.redis.xadd(coord.keys.prompts, {"group": "{not json"})
     await coord.redis.xadd(coord.keys.prompts, {"group": b"\xff\xfe not utf-8"})
-    await coord.redis.xadd(coord.keys.prompts, {"group": '{"id": "bad", "task": "t", "prompt": "p", "samples": 0}'})
+    await coord.redis.xadd(
+        coord.keys.prompts, {"group": '{"id": "bad", "task": "t", "prompt": "p", "samples": 0}'}
+    )
     await coord.enqueue(groups(1, start=1))
     leases = await coord.claim("w1", 10)
     assert [lease.group_id for lease in leases] == ["g0", "g1"]
@@ -205,6 +207,8 @@ async def test_inflight_window_bounds_leased_plus_unread(make_coord: CoordFactor
     assert len(await coord.next_trajectories(2)) == 2
     assert [lease.group_id for lease in await coord.claim("w2", 5, block_ms=50)] == ["g3", "g4"]
     stats = await coord.stats()
-    assert stats["window_refusals"] >= 3 and stats["leases_pending"] == 2 and stats["trajectories_queued"] == 1
+    assert (
+        stats["window_refusals"] >= 3 and stats["leases_pending"] == 2 and stats["trajectories_queued"] == 1
+    )
     await coord.set_inflight_limit(0)  # unbounded again
     assert len(await coord.claim("w3", 10)) == 5

@@ -189,7 +189,9 @@ async def test_concurrent_publish_and_reads(url: str, chain: Chain) -> None:
         assert all(s[-1] == 8 for s in seen)
 
 
-async def test_announcements_wake_waiters(tmp_path: Path, chain: Chain, redis_url: str, redis_prefix: str) -> None:
+async def test_announcements_wake_waiters(
+    tmp_path: Path, chain: Chain, redis_url: str, redis_prefix: str
+) -> None:
     settings = settings_for(tmp_path, redis_url=redis_url, redis_prefix=redis_prefix)
     with serve_app(create_app(settings)) as url:
         async with (
@@ -198,7 +200,9 @@ async def test_announcements_wake_waiters(tmp_path: Path, chain: Chain, redis_ur
         ):
             await pushed.publish_snapshot(0, chain.snapshot(0))
             assert await polling.wait_for_version(0, timeout=0.2, poll_s=0.05) is None
-            waiters = asyncio.gather(pushed.wait_for_version(0, timeout=30), polling.wait_for_version(0, timeout=30, poll_s=0.05))
+            waiters = asyncio.gather(
+                pushed.wait_for_version(0, timeout=30), polling.wait_for_version(0, timeout=30, poll_s=0.05)
+            )
             await asyncio.sleep(0.3)  # both are waiting (one subscribed, one polling)
             await pushed.publish_patch(1, chain.patches[1])
             assert await waiters == [1, 1]

@@ -30,7 +30,9 @@ async def test_download_survives_a_registry_restart(tmp_path: Path) -> None:
             for v in (1, 2):
                 await publisher.publish_patch(v, chain.patches[v])
         # ~1.4 s at 1 Mbit/s; retries for minutes: a restart on a loaded machine can be slow.
-        async with RegistryClient(url, RUN, streams=2, bandwidth_bps=1e6, retries=300, max_backoff_s=1.0) as client:
+        async with RegistryClient(
+            url, RUN, streams=2, bandwidth_bps=1e6, retries=300, max_backoff_s=1.0
+        ) as client:
             total = (await client.plan(None)).total_bytes
             state: dict = {}
             task = asyncio.create_task(sync_weights(client, state, None))

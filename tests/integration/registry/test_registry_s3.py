@@ -32,7 +32,11 @@ def s3_endpoint() -> Iterator[str]:
 
 def s3_settings(endpoint: str, bucket: str) -> RegistrySettings:
     boto3.client(
-        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test", aws_secret_access_key="test"
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
     ).create_bucket(Bucket=bucket)
     return RegistrySettings(
         store_url=f"s3://{bucket}/registry", s3_endpoint=endpoint, s3_region="us-east-1",
@@ -56,11 +60,18 @@ async def test_s3_round_trip_retention_and_restart(s3_endpoint: str) -> None:
             await client.publish_snapshot(4, chain.snapshot(4))
             assert [m.version for m in await client.versions()] == [4]
     s3 = boto3.client(
-        "s3", endpoint_url=s3_endpoint, region_name="us-east-1", aws_access_key_id="test", aws_secret_access_key="test"
+        "s3",
+        endpoint_url=s3_endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
     )
     keys = {o["Key"] for o in s3.list_objects_v2(Bucket="sparsecast-test")["Contents"]}
     assert f"registry/{RUN}/snapshots/4.safetensors" in keys
-    assert f"registry/{RUN}/snapshots/0.safetensors" not in keys and f"registry/{RUN}/merged/1-4.patch" not in keys
+    assert (
+        f"registry/{RUN}/snapshots/0.safetensors" not in keys
+        and f"registry/{RUN}/merged/1-4.patch" not in keys
+    )
     # A restarted registry finds its head by listing the bucket.
     with serve_app(create_app(settings)) as url:
         async with RegistryClient(url, RUN, token=TOKEN) as client:

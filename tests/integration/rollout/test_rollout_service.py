@@ -90,8 +90,11 @@ def test_openai_client_completion(rollout_url: str) -> None:
 
 
 def test_openai_stop_string_truncates(rollout_url: str) -> None:
-    full = httpx.post(f"{rollout_url}/v1/completions", json={"prompt": "5+5=", "max_tokens": 12, "temperature": 0},
-                      timeout=60).json()["choices"][0]["text"]
+    full = httpx.post(
+        f"{rollout_url}/v1/completions",
+        json={"prompt": "5+5=", "max_tokens": 12, "temperature": 0},
+        timeout=60,
+    ).json()["choices"][0]["text"]
     assert len(full) >= 2
     stop = full[1]
     cut = httpx.post(f"{rollout_url}/v1/completions",
@@ -117,7 +120,9 @@ def test_openai_stop_string_truncates(rollout_url: str) -> None:
         ({"prompts": ["1+1="], "kv": {"nonsense": 1}}, 422, "nonsense"),
     ],
 )
-def test_bad_generate_requests_get_a_clear_4xx(rollout_url: str, body: dict, status: int, needle: str) -> None:
+def test_bad_generate_requests_get_a_clear_4xx(
+    rollout_url: str, body: dict, status: int, needle: str
+) -> None:
     r = httpx.post(f"{rollout_url}/v1/generate", json=body, timeout=30)
     assert r.status_code == status, r.text
     assert needle in r.text
@@ -129,7 +134,9 @@ def test_bad_completion_requests(rollout_url: str) -> None:
     assert httpx.post(url, json={"prompt": "1+1=", "stream": True}).status_code == 422
     assert httpx.post(url, json={"max_tokens": 3}).status_code == 422
     assert httpx.post(url, json={"prompt": "1", "n": 100}).status_code == 413
-    assert httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}).status_code == 422
+    assert (
+        httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}).status_code == 422
+    )
 
 
 def test_weights_health_and_metrics(rollout_url: str) -> None:

@@ -62,14 +62,18 @@ def _wait_for(predicate, timeout: float = 60.0, every: float = 0.1):
 
 def test_patch_applied_mid_stream(tmp_path: Path, tiny_model_dir: str) -> None:
     run = "sync"
-    reg_settings = RegistrySettings(store_url=f"file://{tmp_path / 'store'}", api_token=TOKEN, snapshot_every=0)
+    reg_settings = RegistrySettings(
+        store_url=f"file://{tmp_path / 'store'}", api_token=TOKEN, snapshot_every=0
+    )
     v0 = _weights(tiny_model_dir)
     v1 = _optimizer_like_step(v0, seed=1)
     auth = {"Authorization": f"Bearer {TOKEN}"}
     with serve_app(create_registry(reg_settings)) as registry_url:
         api = f"{registry_url}/v1/runs/{run}"
         for name in MODEL_FILES:
-            r = httpx.put(f"{api}/model/{name}", content=(Path(tiny_model_dir) / name).read_bytes(), headers=auth)
+            r = httpx.put(
+                f"{api}/model/{name}", content=(Path(tiny_model_dir) / name).read_bytes(), headers=auth
+            )
             assert r.status_code < 300, r.text
         r = httpx.put(f"{api}/snapshots/0", content=save_snapshot(v0, run=run, version=0), headers=auth)
         assert r.status_code < 300, r.text
@@ -80,7 +84,9 @@ def test_patch_applied_mid_stream(tmp_path: Path, tiny_model_dir: str) -> None:
 
         long_request = {"prompts": ["1234+5678="], "n": 2, "max_tokens": 120, "temperature": 1.0, "seed": 11,
                         "stop_token_ids": []}
-        with serve_app(create_rollout(rollout_settings("a"))) as worker:  # stateless: bootstraps from the registry
+        with serve_app(
+            create_rollout(rollout_settings("a"))
+        ) as worker:  # stateless: bootstraps from the registry
             w = httpx.get(f"{worker}/v1/weights").json()
             assert w["version"] == 0 and w["fingerprint"] == fingerprint(v0)
             before = httpx.post(f"{worker}/v1/generate", json=long_request, timeout=120).json()
@@ -96,7 +102,9 @@ def test_patch_applied_mid_stream(tmp_path: Path, tiny_model_dir: str) -> None:
             assert r.status_code < 300, r.text
             thread.join()
             assert in_flight["weight_version"] == 0
-            assert [c["token_ids"] for c in in_flight["completions"]] == [c["token_ids"] for c in before["completions"]]
+            assert [c["token_ids"] for c in in_flight["completions"]] == [
+                c["token_ids"] for c in before["completions"]
+            ]
 
             _wait_for(lambda: httpx.get(f"{worker}/v1/weights").json()["version"] == 1)
             w = httpx.get(f"{worker}/v1/weights").json()
@@ -108,7 +116,9 @@ def test_patch_applied_mid_stream(tmp_path: Path, tiny_model_dir: str) -> None:
         with serve_app(create_rollout(rollout_settings("b"))) as fresh:  # a new worker loaded at v1
             assert httpx.get(f"{fresh}/v1/weights").json()["version"] == 1
             again = httpx.post(f"{fresh}/v1/generate", json=long_request, timeout=120).json()
-        assert [c["token_ids"] for c in again["completions"]] == [c["token_ids"] for c in after["completions"]]
+        assert [c["token_ids"] for c in again["completions"]] == [
+            c["token_ids"] for c in after["completions"]
+        ]
         assert [c["logprobs"] for c in again["completions"]] == [c["logprobs"] for c in after["completions"]]
 
 
@@ -143,7 +153,9 @@ def test_worker_killed_mid_batch_leaves_its_lease_to_be_reclaimed(
         redis = aioredis.Redis.from_url(redis_url)
         coord = Coordinator(redis, redis_prefix, coord_settings, run="kill")
         try:
-            await coord.enqueue([PromptGroup(id="g-kill", task="addition", prompt="123+456=", answer="579", samples=2)])
+            await coord.enqueue(
+                [PromptGroup(id="g-kill", task="addition", prompt="123+456=", answer="579", samples=2)]
+            )
             deadline = time.monotonic() + 90
             while (await coord.stats())["leases_pending"] == 0:
                 assert proc.poll() is None, "the rollout service exited early"
@@ -174,9 +186,19 @@ def test_worker_loop_completes_groups_with_rewards(
     tiny_model_dir: str, redis_url: str, redis_prefix: str, tmp_path: Path, policy: str
 ) -> None:
     """The lease-driven loop inside the service: claims, generates with a sparse policy, scores, completes."""
-    settings = RolloutSettings(model=tiny_model_dir, device="cpu", redis_url=redis_url, redis_prefix=redis_prefix,
-                               registry_url="", worker_id="w1", kv_policy=policy, kv_budget=8, kv_buffer=4,
-                               max_new_tokens=24, data_dir=str(tmp_path))
+    settings = RolloutSettings(
+        model=tiny_model_dir,
+        device="cpu",
+        redis_url=redis_url,
+        redis_prefix=redis_prefix,
+        registry_url="",
+        worker_id="w1",
+        kv_policy=policy,
+        kv_budget=8,
+        kv_buffer=4,
+        max_new_tokens=24,
+        data_dir=str(tmp_path),
+    )
 
     async def read_trajectories() -> list:
         redis = aioredis.Redis.from_url(redis_url)
@@ -195,8 +217,13 @@ def test_worker_loop_completes_groups_with_rewards(
         redis = aioredis.Redis.from_url(redis_url)
         try:
             await Coordinator(redis, redis_prefix, settings.coord, run=settings.run).enqueue(
-                [PromptGroup(id=f"g{i}", task="addition", prompt=f"{i}1+{i}2=", answer=str(23 + 20 * i), samples=3)
-                 for i in range(3)])
+                [
+                    PromptGroup(
+                        id=f"g{i}", task="addition", prompt=f"{i}1+{i}2=", answer=str(23 + 20 * i), samples=3
+                    )
+                    for i in range(3)
+                ]
+            )
         finally:
             await redis.aclose()
 
@@ -217,7 +244,9 @@ def test_worker_loop_completes_groups_with_rewards(
 def test_sigterm_stops_a_syncing_worker_promptly(tmp_path: Path, tiny_model_dir: str) -> None:
     """A worker idling in its version wait must still shut down at once on SIGTERM."""
     run = "term"
-    reg_settings = RegistrySettings(store_url=f"file://{tmp_path / 'store'}", api_token=TOKEN, snapshot_every=0)
+    reg_settings = RegistrySettings(
+        store_url=f"file://{tmp_path / 'store'}", api_token=TOKEN, snapshot_every=0
+    )
     auth = {"Authorization": f"Bearer {TOKEN}"}
     with serve_app(create_registry(reg_settings)) as registry_url:
         api = f"{registry_url}/v1/runs/{run}"

@@ -102,15 +102,21 @@ def assert_greedy_parity(model: Qwen3ForCausalLM, prompts: list[list[int]], ours
         assert len(a) == len(b)
         logits = hf_logits(model, prompt, a)
         shortfall = logits.max(dim=-1).values - logits.gather(-1, torch.tensor(a)[:, None])[:, 0]
-        assert (shortfall <= TIE_LOGITS).all(), f"prompt {prompt}: non-greedy tokens, shortfall {shortfall.tolist()}"
+        assert (shortfall <= TIE_LOGITS).all(), (
+            f"prompt {prompt}: non-greedy tokens, shortfall {shortfall.tolist()}"
+        )
         split = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
         if split is not None:
             gap = (logits[split, a[split]] - logits[split, b[split]]).abs().item()
-            assert gap <= TIE_LOGITS, f"prompt {prompt}: {a} vs {b} part at step {split} without a tie ({gap})"
+            assert gap <= TIE_LOGITS, (
+                f"prompt {prompt}: {a} vs {b} part at step {split} without a tie ({gap})"
+            )
 
 
 @torch.inference_mode()
-def dense_logprobs(model: Qwen3ForCausalLM, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
+def dense_logprobs(
+    model: Qwen3ForCausalLM, prompt: list[int], completion: list[int], temperature: float
+) -> torch.Tensor:
     """The trainer's dense recomputation: fp32 log_softmax(logits / T) of each completion token."""
     logits = hf_logits(model, prompt, completion)
     if temperature > 0:
@@ -121,7 +127,9 @@ def dense_logprobs(model: Qwen3ForCausalLM, prompt: list[int], completion: list[
 def test_greedy_matches_transformers(engine: VLLMEngine, model_dir: Path) -> None:
     outputs = engine.generate(PROMPTS, GREEDY, DENSE)
     model = hf_model(model_dir)
-    assert_greedy_parity(model, PROMPTS, [o.token_ids for o in outputs], hf_greedy(model, PROMPTS, GREEDY.max_new_tokens))
+    assert_greedy_parity(
+        model, PROMPTS, [o.token_ids for o in outputs], hf_greedy(model, PROMPTS, GREEDY.max_new_tokens)
+    )
     for prompt, out in zip(PROMPTS, outputs, strict=True):
         assert out.finish_reason == "length"
         assert out.kv.evicted == 0
@@ -132,11 +140,18 @@ def test_greedy_and_state_match_native_dense(engine: VLLMEngine, model_dir: Path
     native = LLMEngine.from_pretrained(model_dir, device="cpu", dtype=torch.bfloat16)
     assert fingerprint(engine.state_dict()) == fingerprint(native.state_dict())
     ours, theirs = engine.generate(PROMPTS, GREEDY, DENSE), native.generate(PROMPTS, GREEDY, DENSE)
-    assert_greedy_parity(hf_model(model_dir), PROMPTS, [o.token_ids for o in ours], [o.token_ids for o in theirs])
+    assert_greedy_parity(
+        hf_model(model_dir), PROMPTS, [o.token_ids for o in ours], [o.token_ids for o in theirs]
+    )
     assert [o.kv for o in ours] == [o.kv for o in theirs]
     for a, b in zip(ours, theirs, strict=True):
-        same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), len(a.token_ids))
-        torch.testing.assert_close(torch.tensor(a.logprobs[:same]), torch.tensor(b.logprobs[:same]), atol=LOGPROB_ATOL, rtol=0)
+        same = next(
+            (i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y),
+            len(a.token_ids),
+        )
+        torch.testing.assert_close(
+            torch.tensor(a.logprobs[:same]), torch.tensor(b.logprobs[:same]), atol=LOGPROB_ATOL, rtol=0
+        )
 
 
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 5, 0.7)])
@@ -153,7 +168,9 @@ def test_logprobs_are_the_dense_sampler_logprobs(engine: VLLMEngine, model_dir: 
         torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=LOGPROB_ATOL, rtol=0)
     if temperature > 0:  # per-sequence seeds: copies of one prompt sample independently, reproducibly
         assert outputs[0].token_ids != outputs[2].token_ids
-        assert [o.token_ids for o in engine.generate(PROMPTS[:2] * 2, params, DENSE)] == [o.token_ids for o in outputs]
+        assert [o.token_ids for o in engine.generate(PROMPTS[:2] * 2, params, DENSE)] == [
+            o.token_ids for o in outputs
+        ]
 
 
 def test_stop_token_ends_a_sequence(engine: VLLMEngine) -> None:
@@ -187,7 +204,9 @@ def test_bad_engine_options_are_refused(model_dir: Path) -> None:
     with pytest.raises(ValueError, match="installed vLLM runs on"):
         VLLMEngine.from_pretrained(model_dir, device=other)
     with pytest.raises(ValueError, match="logprobs_mode"):
-        VLLMEngine.from_pretrained(model_dir, device=current_platform.device_type, logprobs_mode="raw_logprobs")
+        VLLMEngine.from_pretrained(
+            model_dir, device=current_platform.device_type, logprobs_mode="raw_logprobs"
+        )
 
 
 def test_patch_reaches_vllm(engine: VLLMEngine, model_dir: Path) -> None:

@@ -58,7 +58,14 @@ REGISTRY_DOWN_S = 60.0
 # is down at most about half the time and 60 steps fit in a few minutes of this 2-core machine.
 REGISTRY_UP_BETWEEN_S = 60.0
 WALL_LIMIT_S = 900.0
-KINDS = ("worker_kill", "redis_client_kill", "redis_restart", "registry_down", "poison_prompt", "oversized_prompt")
+KINDS = (
+    "worker_kill",
+    "redis_client_kill",
+    "redis_restart",
+    "registry_down",
+    "poison_prompt",
+    "oversized_prompt",
+)
 OVERSIZED_PROMPT_CHARS = 10 << 20  # the 10 MB prompt of the fault table (row 5)
 # Leases of a few seconds bring a killed worker's groups back quickly; max_attempts is high enough
 # that good groups survive several kills, and a poison group is dead-lettered after as many tries.
@@ -138,31 +145,67 @@ class Soak:
     # -- processes --
 
     def start_registry(self) -> None:
-        self.registry = Service("registry", "services.registry", {
-            "SPARSECAST_PORT": str(self.registry_port), "SPARSECAST_STORE_URL": f"file://{self.dir / 'store'}",
-            "SPARSECAST_API_TOKEN": TOKEN, "SPARSECAST_REDIS_URL": self.redis.url,
-            "SPARSECAST_REDIS_PREFIX": self.prefix, "SPARSECAST_SNAPSHOT_EVERY": "10"}, self.logs)
+        self.registry = Service(
+            "registry",
+            "services.registry",
+            {
+                "SPARSECAST_PORT": str(self.registry_port),
+                "SPARSECAST_STORE_URL": f"file://{self.dir / 'store'}",
+                "SPARSECAST_API_TOKEN": TOKEN,
+                "SPARSECAST_REDIS_URL": self.redis.url,
+                "SPARSECAST_REDIS_PREFIX": self.prefix,
+                "SPARSECAST_SNAPSHOT_EVERY": "10",
+            },
+            self.logs,
+        )
 
     def start_trainer(self) -> None:
-        self.trainer = Service("trainer", "services.trainer", {
-            "SPARSECAST_PORT": str(self.trainer_port), "SPARSECAST_MODEL": self.model_dir, "SPARSECAST_DEVICE": "cpu",
-            "SPARSECAST_DATA_DIR": str(self.dir / "trainer"), "SPARSECAST_API_TOKEN": TOKEN,
-            "SPARSECAST_REGISTRY_URL": self.registry_url, "SPARSECAST_REDIS_URL": self.redis.url,
-            "SPARSECAST_GROUPS_PER_STEP": str(GROUPS_PER_STEP), "SPARSECAST_MAX_STEPS": str(STEPS),
-            "SPARSECAST_MICRO_BATCH": "16", "SPARSECAST_LR": "1e-4", "SPARSECAST_CHECKPOINT_EVERY": "0",
-            "SPARSECAST_RECONCILE_EVERY_S": "2", "SPARSECAST_SAMPLES_PER_PROMPT": str(SAMPLES),
-            **coord_env(self.prefix)}, self.logs)
+        self.trainer = Service(
+            "trainer",
+            "services.trainer",
+            {
+                "SPARSECAST_PORT": str(self.trainer_port),
+                "SPARSECAST_MODEL": self.model_dir,
+                "SPARSECAST_DEVICE": "cpu",
+                "SPARSECAST_DATA_DIR": str(self.dir / "trainer"),
+                "SPARSECAST_API_TOKEN": TOKEN,
+                "SPARSECAST_REGISTRY_URL": self.registry_url,
+                "SPARSECAST_REDIS_URL": self.redis.url,
+                "SPARSECAST_GROUPS_PER_STEP": str(GROUPS_PER_STEP),
+                "SPARSECAST_MAX_STEPS": str(STEPS),
+                "SPARSECAST_MICRO_BATCH": "16",
+                "SPARSECAST_LR": "1e-4",
+                "SPARSECAST_CHECKPOINT_EVERY": "0",
+                "SPARSECAST_RECONCILE_EVERY_S": "2",
+                "SPARSECAST_SAMPLES_PER_PROMPT": str(SAMPLES),
+                **coord_env(self.prefix),
+            },
+            self.logs,
+        )
 
     def start_worker(self) -> str:
         self.worker_serial += 1
         name = f"w{self.worker_serial}"
-        self.workers[name] = Service(name, "services.rollout", {
-            "SPARSECAST_PORT": str(free_port()), "SPARSECAST_MODEL": "", "SPARSECAST_DEVICE": "cpu",
-            "SPARSECAST_REGISTRY_URL": self.registry_url, "SPARSECAST_REDIS_URL": self.redis.url,
-            "SPARSECAST_WORKER_ID": name, "SPARSECAST_KV_POLICY": "rkv", "SPARSECAST_KV_BUDGET": "16", "SPARSECAST_KV_BUFFER": "8",
-            "SPARSECAST_MAX_NEW_TOKENS": str(MAX_NEW_TOKENS),
-            "SPARSECAST_SYNC_POLL_S": "0.5", "SPARSECAST_DATA_DIR": str(self.dir / name), **coord_env(self.prefix)},
-            self.logs)
+        self.workers[name] = Service(
+            name,
+            "services.rollout",
+            {
+                "SPARSECAST_PORT": str(free_port()),
+                "SPARSECAST_MODEL": "",
+                "SPARSECAST_DEVICE": "cpu",
+                "SPARSECAST_REGISTRY_URL": self.registry_url,
+                "SPARSECAST_REDIS_URL": self.redis.url,
+                "SPARSECAST_WORKER_ID": name,
+                "SPARSECAST_KV_POLICY": "rkv",
+                "SPARSECAST_KV_BUDGET": "16",
+                "SPARSECAST_KV_BUFFER": "8",
+                "SPARSECAST_MAX_NEW_TOKENS": str(MAX_NEW_TOKENS),
+                "SPARSECAST_SYNC_POLL_S": "0.5",
+                "SPARSECAST_DATA_DIR": str(self.dir / name),
+                **coord_env(self.prefix),
+            },
+            self.logs,
+        )
         return name
 
     # -- observing --
@@ -209,7 +252,10 @@ class Soak:
         return self.rng.choice(fresh or possible)
 
     def registry_can_go_down(self) -> bool:
-        return self.registry_back_at is None and time.monotonic() - self.registry_up_since >= REGISTRY_UP_BETWEEN_S
+        return (
+            self.registry_back_at is None
+            and time.monotonic() - self.registry_up_since >= REGISTRY_UP_BETWEEN_S
+        )
 
     def inject(self, kind: str, step: int) -> dict[str, Any] | None:
         fault: dict[str, Any] = {"t": round(self.elapsed(), 1), "kind": kind, "step": step}
@@ -412,26 +458,38 @@ class Soak:
         for line in (self.dir / "trainer" / LEDGER_FILE).read_text().splitlines():
             trained.update(json.loads(line).get("trained", ()))
         with self.redis.client() as c:
-            dead = [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in c.xrange(self.keys.dead)]
+            dead = [
+                {k.decode(): v.decode() for k, v in fields.items()} for _, fields in c.xrange(self.keys.dead)
+            ]
         dead_poison = sorted(d["group_id"] for d in dead if d.get("group_id", "").startswith("poison-"))
         metrics = httpx.get(f"{self.trainer_url}/metrics", timeout=HTTP_TIMEOUT_S).text
         outages = {dep: _metric(metrics, "trainer_dependency_outages", dep) for dep in ("redis", "registry")}
         return {
             "benchmark": "chaos-soak",
             "what": "60-step run, every service its own process, a random fault about every 10 s",
-            "machine": f"{platform.platform()}, {os.cpu_count()} CPUs (the 2-core development machine, shared "
-                       "with other engineers' jobs); tiny Qwen3-shaped test model on CPU",
+            "machine": f"{platform.platform()}, {os.cpu_count()} CPUs (the 2-core development machine, "
+            "shared "
+            "with other engineers' jobs); tiny Qwen3-shaped test model on CPU",
             "seed": self.seed,
-            "settings": {"steps": STEPS, "groups_per_step": GROUPS_PER_STEP, "samples": SAMPLES,
-                         "feed": f"{GROUPS_PER_STEP} groups every {FEED_EVERY_S} s", "max_new_tokens": MAX_NEW_TOKENS,
-                         "lease_ttl_s": COORD.lease_ttl_s, "max_attempts": COORD.max_attempts, "window": WINDOW,
-                         "fault_every_s": list(FAULT_EVERY_S), "registry_down_s": REGISTRY_DOWN_S},
+            "settings": {
+                "steps": STEPS,
+                "groups_per_step": GROUPS_PER_STEP,
+                "samples": SAMPLES,
+                "feed": f"{GROUPS_PER_STEP} groups every {FEED_EVERY_S} s",
+                "max_new_tokens": MAX_NEW_TOKENS,
+                "lease_ttl_s": COORD.lease_ttl_s,
+                "max_attempts": COORD.max_attempts,
+                "window": WINDOW,
+                "fault_every_s": list(FAULT_EVERY_S),
+                "registry_down_s": REGISTRY_DOWN_S,
+            },
             "steps": status["step"],
             "head_version": status["version"],
             "wall_seconds": round(run_seconds, 1),
             "faults_by_kind": dict(Counter(f["kind"] for f in self.faults)),
             "worker_kills_holding_the_whole_window": sum(
-                1 for f in self.faults if f["kind"] == "worker_kill" and f["leases_held"] >= WINDOW),
+                1 for f in self.faults if f["kind"] == "worker_kill" and f["leases_held"] >= WINDOW
+            ),
             "faults": self.faults,
             "groups_submitted": len(ids),
             "groups_trained": sum(1 for g in ids if trained[g] >= 1),
@@ -439,18 +497,34 @@ class Soak:
             "groups_trained_twice": sum(1 for g in trained if trained[g] > 1),
             "unknown_groups_trained": sorted(g for g in trained if g not in set(ids)),
             "poison_groups": len(self.poison_ids),
-            "oversized_groups_seen": sorted({g for g in trained if g.startswith("oversized-")}
-                                            | {d.get("group_id", "") for d in dead
-                                               if d.get("group_id", "").startswith("oversized-")}),
+            "oversized_groups_seen": sorted(
+                {g for g in trained if g.startswith("oversized-")}
+                | {d.get("group_id", "") for d in dead if d.get("group_id", "").startswith("oversized-")}
+            ),
             "poison_dead_lettered": len(dead_poison),
-            "poison_reasons": sorted({d["reason"][:120] for d in dead if d.get("group_id", "").startswith("poison-")}),
+            "poison_reasons": sorted(
+                {d["reason"][:120] for d in dead if d.get("group_id", "").startswith("poison-")}
+            ),
             "worker_versions_at_end": versions,
             "workers_started": self.worker_serial,
             "trainer_faults": status.get("faults"),
             "trainer_outages": outages,
-            "coord": {k: status["queue"][k] for k in ("completions", "duplicates", "reclaims", "late_completions",
-                                                      "failures", "failed_groups", "requeued", "dropped_stale",
-                                                      "dead_letters")} if status.get("queue") else None,
+            "coord": {
+                k: status["queue"][k]
+                for k in (
+                    "completions",
+                    "duplicates",
+                    "reclaims",
+                    "late_completions",
+                    "failures",
+                    "failed_groups",
+                    "requeued",
+                    "dropped_stale",
+                    "dead_letters",
+                )
+            }
+            if status.get("queue")
+            else None,
             "trainer_liveness_failures": self.health_failures,
             "version_reached_at_s": step_times,
         }
@@ -470,7 +544,9 @@ def check(figures: dict[str, Any]) -> None:
     assert set(figures["faults_by_kind"]) == set(KINDS), figures["faults_by_kind"]
     assert figures["poison_dead_lettered"] == figures["poison_groups"], figures["poison_reasons"]
     oversized = [f for f in figures["faults"] if f["kind"] == "oversized_prompt"]
-    assert oversized and all(f["status"] in (413, 422) for f in oversized if f["status"] is not None), oversized
+    assert oversized and all(f["status"] in (413, 422) for f in oversized if f["status"] is not None), (
+        oversized
+    )
     assert any(f["status"] is not None for f in oversized), oversized
     assert not figures["oversized_groups_seen"], figures["oversized_groups_seen"]
     kills = [f for f in figures["faults"] if f["kind"] == "worker_kill"]

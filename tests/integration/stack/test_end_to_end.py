@@ -48,27 +48,56 @@ PROMPT_SEED = 1234
 
 @pytest.fixture(scope="session")
 def warmstart_dir() -> Path:
-    return ensure_warmstart_model(Path(os.environ.get("SPARSECAST_WARMSTART_CACHE", ROOT / ".cache" / "warmstart")))
+    return ensure_warmstart_model(
+        Path(os.environ.get("SPARSECAST_WARMSTART_CACHE", ROOT / ".cache" / "warmstart"))
+    )
 
 
-def run_training(model_dir: Path, tmp_path: Path, redis_url: str, redis_prefix: str, *, steps: int = STEPS,
-                 groups_per_step: int = GROUPS_PER_STEP, samples: int = SAMPLES, lr: float = LR,
-                 kv_budget: int = KV_BUDGET, kv_buffer: int = KV_BUFFER, prompt_seed: int = PROMPT_SEED) -> dict:
+def run_training(
+    model_dir: Path,
+    tmp_path: Path,
+    redis_url: str,
+    redis_prefix: str,
+    *,
+    steps: int = STEPS,
+    groups_per_step: int = GROUPS_PER_STEP,
+    samples: int = SAMPLES,
+    lr: float = LR,
+    kv_budget: int = KV_BUDGET,
+    kv_buffer: int = KV_BUFFER,
+    prompt_seed: int = PROMPT_SEED,
+) -> dict:
     """Registry, trainer and one rkv worker over real HTTP until `steps` versions are published.
 
     Prompts carry fixed ids, so the worker's sampling seeds (group id + attempt) and the trainer's
     seed make the run repeatable up to the scheduling of groups into batches.
     """
-    coord = CoordSettings(lease_ttl_s=120, base_claim=groups_per_step, max_claim=groups_per_step, staleness_bound=1,
-                          max_lag=2)
+    coord = CoordSettings(
+        lease_ttl_s=120, base_claim=groups_per_step, max_claim=groups_per_step, staleness_bound=1, max_lag=2
+    )
     reg = RegistrySettings(store_url=f"file://{tmp_path / 'store'}", api_token=TOKEN, snapshot_every=5,
                            redis_url=redis_url, redis_prefix=redis_prefix)
     with serve_app(create_registry(reg)) as registry_url:
         trainer = TrainerSettings(
-            model=str(model_dir), device="cpu", data_dir=str(tmp_path / "trainer"), run="e2e", api_token=TOKEN,
-            registry_url=registry_url, redis_url=redis_url, redis_prefix=redis_prefix, coord=coord,
-            lr=lr, weight_decay=0.0, groups_per_step=groups_per_step, micro_batch=32, max_steps=steps, seed=0,
-            temperature=1.0, loss=LossConfig(), checkpoint_every=0, measure_batch_gain=True,
+            model=str(model_dir),
+            device="cpu",
+            data_dir=str(tmp_path / "trainer"),
+            run="e2e",
+            api_token=TOKEN,
+            registry_url=registry_url,
+            redis_url=redis_url,
+            redis_prefix=redis_prefix,
+            coord=coord,
+            lr=lr,
+            weight_decay=0.0,
+            groups_per_step=groups_per_step,
+            micro_batch=32,
+            max_steps=steps,
+            seed=0,
+            temperature=1.0,
+            loss=LossConfig(),
+            checkpoint_every=0,
+            measure_batch_gain=True,
             # One AdamW step per batch, as when the bounds below were measured: four (the default)
             # make the first steps of Adam move nearly every weight of this tiny model by ~4·lr, so
             # most bf16 values change. The PPO updates are covered by the unit tests and the demo test.
@@ -88,10 +117,22 @@ def run_training(model_dir: Path, tmp_path: Path, redis_url: str, redis_prefix: 
             r = httpx.post(f"{trainer_url}/v1/prompts", headers={"Authorization": f"Bearer {TOKEN}"},
                            json={"task": "addition", "samples_per_prompt": samples, "prompts": prompts})
             assert r.status_code == 200, r.text
-            worker = RolloutSettings(model="", registry_url=registry_url, run="e2e", device="cpu",
-                                     redis_url=redis_url, redis_prefix=redis_prefix, worker_id="w-e2e",
-                                     kv_policy="rkv", kv_budget=kv_budget, kv_buffer=kv_buffer,
-                                     temperature=1.0, data_dir=str(tmp_path / "w"), sync_poll_s=0.2, coord=coord)
+            worker = RolloutSettings(
+                model="",
+                registry_url=registry_url,
+                run="e2e",
+                device="cpu",
+                redis_url=redis_url,
+                redis_prefix=redis_prefix,
+                worker_id="w-e2e",
+                kv_policy="rkv",
+                kv_budget=kv_budget,
+                kv_buffer=kv_buffer,
+                temperature=1.0,
+                data_dir=str(tmp_path / "w"),
+                sync_poll_s=0.2,
+                coord=coord,
+            )
             with serve_app(create_rollout(worker)) as worker_url:
                 deadline = time.monotonic() + 900
                 while (status := httpx.get(f"{trainer_url}/v1/status").json())["step"] < steps:
@@ -135,4 +176,6 @@ def test_training_end_to_end(tmp_path: Path, warmstart_dir: Path, redis_url: str
     third = STEPS // 3
     first = sum(h["reward_mean"] for h in history[:third]) / third
     last = sum(h["reward_mean"] for h in history[-third:]) / third
-    assert last - first >= REWARD_FLOOR, f"reward {first:.3f} → {last:.3f}: {[round(h['reward_mean'], 3) for h in history]}"
+    assert last - first >= REWARD_FLOOR, (
+        f"reward {first:.3f} → {last:.3f}: {[round(h['reward_mean'], 3) for h in history]}"
+    )

@@ -45,7 +45,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) -> Iter
         settings = TrainerSettings(model=tiny_model_dir, device="cpu", data_dir=str(tmp / "trainer"), run="t",
                                    api_token=TOKEN, registry_url=registry_url, redis_url=REDIS_URL,
                                    redis_prefix=prefix, coord=CoordSettings(max_queue=50))
-        with serve_app(create_trainer(settings)) as trainer_url, serve_app(create_rollout(rollout)) as rollout_url:
+        with (
+            serve_app(create_trainer(settings)) as trainer_url,
+            serve_app(create_rollout(rollout)) as rollout_url,
+        ):
             wait_ready(trainer_url)
             yield {"trainer": trainer_url, "registry": registry_url, "rollout": rollout_url, "prefix": prefix,
                    "store": str(tmp / "store")}
@@ -75,7 +78,11 @@ def nothing_reached_redis(stack: dict[str, str]) -> None:
     ("prompt", "status", "needle"),
     [
         ({"prompt": "add 1+2\n" + "9" * (10 << 20), "answer": "3"}, 422, "prompt has 10485768 characters"),
-        ({"prompt": "add 1+2\n", "answer": "3", "metadata": {"blob": "x" * (20 << 20)}}, 422, "metadata is 20971"),
+        (
+            {"prompt": "add 1+2\n", "answer": "3", "metadata": {"blob": "x" * (20 << 20)}},
+            422,
+            "metadata is 20971",
+        ),
         ({"prompt": "add 1+2\n", "answer": "3" * 5000}, 422, "answer has 5000 characters"),
         ({"prompt": "add 1+2\n", "answer": "3", "metadata": {"k": "é" * 9000}}, 422, "metadata is 18"),
     ],
@@ -83,8 +90,12 @@ def nothing_reached_redis(stack: dict[str, str]) -> None:
 )
 def test_row5_oversized_prompts_are_refused_before_redis(stack: dict[str, str], prompt: dict, status: int,
                                                          needle: str) -> None:
-    r = httpx.post(f"{stack['trainer']}/v1/prompts", json={"task": "addition", "prompts": [prompt]}, headers=AUTH,
-                   timeout=60)
+    r = httpx.post(
+        f"{stack['trainer']}/v1/prompts",
+        json={"task": "addition", "prompts": [prompt]},
+        headers=AUTH,
+        timeout=60,
+    )
     assert r.status_code == status, r.text[:300]
     assert needle in r.json()["detail"] and len(r.text) < 1000  # the payload is not echoed back
     nothing_reached_redis(stack)
@@ -122,7 +133,9 @@ def test_row5_answers_the_task_cannot_score_are_422(stack: dict[str, str], task:
             "sorting": ("sort 3 1\n", "1 3"), "gsm8k": ("Question: q\nAnswer:", "4")}[task]
     body = {"task": task, "prompts": [{"prompt": good[0], "answer": good[1]}, prompt]}
     r = httpx.post(f"{stack['trainer']}/v1/prompts", json=body, headers=AUTH)
-    assert r.status_code == 422 and r.json()["detail"].startswith("prompt 1: ") and needle in r.json()["detail"]
+    assert (
+        r.status_code == 422 and r.json()["detail"].startswith("prompt 1: ") and needle in r.json()["detail"]
+    )
     ndjson = "\n".join(json.dumps(p) for p in body["prompts"])
     r = httpx.post(f"{stack['trainer']}/v1/prompts?task={task}", content=ndjson, headers=AUTH | NDJSON)
     assert r.status_code == 422 and needle in r.json()["detail"]
@@ -135,21 +148,39 @@ def test_row5_answers_the_task_cannot_score_are_422(stack: dict[str, str], task:
 def test_row6_invalid_utf8_and_lone_surrogates_in_prompt_uploads(stack: dict[str, str]) -> None:
     url = f"{stack['trainer']}/v1/prompts?task=addition"
     cases = [
-        (b'{"prompt": "add 1+2\\n", "answer": "3"}\n{"prompt": "add \xff\xfe", "answer": "3"}\n', NDJSON, "line 2: not UTF-8"),
+        (
+            b'{"prompt": "add 1+2\\n", "answer": "3"}\n{"prompt": "add \xff\xfe", "answer": "3"}\n',
+            NDJSON,
+            "line 2: not UTF-8",
+        ),
         (b'{"prompt": "add 1+2\\n\xc3", "answer": "3"}', NDJSON, "line 1: not UTF-8"),
         (b'{"prompt": "add \\ud800\\n", "answer": "3"}', NDJSON, "unicode"),
-        (b'{"prompt": "add 1+2\\n", "answer": "3", "metadata": {"k": "\\udfff"}}', NDJSON, "metadata is not UTF-8"),
-        (b'{"prompts": [{"prompt": "add \\ud83d\\n", "answer": "3"}]}', {"content-type": "application/json"},
-         "body"),
-        (b'{"prompts": [{"prompt": "add \xff\\n", "answer": "3"}]}', {"content-type": "application/json"}, "body"),
+        (
+            b'{"prompt": "add 1+2\\n", "answer": "3", "metadata": {"k": "\\udfff"}}',
+            NDJSON,
+            "metadata is not UTF-8",
+        ),
+        (
+            b'{"prompts": [{"prompt": "add \\ud83d\\n", "answer": "3"}]}',
+            {"content-type": "application/json"},
+            "body",
+        ),
+        (
+            b'{"prompts": [{"prompt": "add \xff\\n", "answer": "3"}]}',
+            {"content-type": "application/json"},
+            "body",
+        ),
         (b"[" * 100_000, NDJSON, "line 1"),
     ]
     for body, headers, needle in cases:
         r = httpx.post(url, content=body, headers=AUTH | headers)
         assert r.status_code == 422, (body[:60], r.status_code, r.text[:200])
         assert needle.lower() in r.json()["detail"].lower(), (body[:60], r.json())
-    r = httpx.post(url, files={"file": ("p.jsonl", b'{"prompt": "\xe2\x82", "answer": "3"}', "application/x-ndjson")},
-                   headers=AUTH)
+    r = httpx.post(
+        url,
+        files={"file": ("p.jsonl", b'{"prompt": "\xe2\x82", "answer": "3"}', "application/x-ndjson")},
+        headers=AUTH,
+    )
     assert r.status_code == 422 and "not UTF-8" in r.json()["detail"]
     nothing_reached_redis(stack)
 
@@ -162,14 +193,29 @@ def test_row6_lone_surrogates_at_the_rollout_service(stack: dict[str, str], path
     assert r.status_code == 422 and "unicode" in r.json()["detail"].lower(), r.text
     stop = b'{"prompt": "12+", "max_tokens": 4, "stop": ["\\ud800"]}'
     if path == "/v1/completions":
-        r = httpx.post(f"{stack['rollout']}{path}", content=stop, headers={"content-type": "application/json"})
+        r = httpx.post(
+            f"{stack['rollout']}{path}", content=stop, headers={"content-type": "application/json"}
+        )
         assert r.status_code == 422, r.text
-    ok = {"/v1/generate": {"prompts": ["12+"], "max_tokens": 2}, "/v1/completions": {"prompt": "12+", "max_tokens": 2}}
+    ok = {
+        "/v1/generate": {"prompts": ["12+"], "max_tokens": 2},
+        "/v1/completions": {"prompt": "12+", "max_tokens": 2},
+    }
     assert httpx.post(f"{stack['rollout']}{path}", json=ok[path], timeout=60).status_code == 200
 
 
-@pytest.mark.parametrize("key", ["patches/%00", "patches/a%00b.patch", "model/%0A", "merged/%C3%A9", "patches/%FF",
-                                 "snapshots/%2e%2e", "patches/a%2Fb"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "patches/%00",
+        "patches/a%00b.patch",
+        "model/%0A",
+        "merged/%C3%A9",
+        "patches/%FF",
+        "snapshots/%2e%2e",
+        "patches/a%2Fb",
+    ],
+)
 def test_row6_odd_object_keys_are_a_clear_422(stack: dict[str, str], key: str) -> None:
     r = httpx.get(f"{stack['registry']}/v1/runs/r/objects/{key}")
     assert r.status_code == 422 and "bad object key" in r.json()["detail"], r.text
@@ -229,8 +275,15 @@ def raw_request(url: str, method: str, path: str, headers: dict[str, str], head:
 
 
 def raw_put(url: str, path: str, head: bytes, declared: int | None, send_bytes: int) -> tuple[int, str, int]:
-    return raw_request(url, "PUT", path, {"Authorization": f"Bearer {TOKEN}",
-                                          "Content-Type": "application/octet-stream"}, head, declared, send_bytes)
+    return raw_request(
+        url,
+        "PUT",
+        path,
+        {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/octet-stream"},
+        head,
+        declared,
+        send_bytes,
+    )
 
 
 def test_registry_refuses_a_300MB_junk_upload_after_its_first_bytes(stack: dict[str, str]) -> None:
@@ -239,11 +292,21 @@ def test_registry_refuses_a_300MB_junk_upload_after_its_first_bytes(stack: dict[
     chain = make_chain("r", 1)
     cases = [
         ("/v1/runs/r/patches/1", b"GARBAGE!", junk, "bad magic"),
-        ("/v1/runs/r/patches/1", chain.patches[1][:12] + b"\xff\xff\xff\x7f", junk, "exceeds the format's cap"),
+        (
+            "/v1/runs/r/patches/1",
+            chain.patches[1][:12] + b"\xff\xff\xff\x7f",
+            junk,
+            "exceeds the format's cap",
+        ),
         ("/v1/runs/r/patches/1", b"GARBAGE!", None, "bad magic"),  # chunked: no length declared
         ("/v1/runs/r/snapshots/0", b"\xff" * 8 + b"{", junk, "exceeds"),
         ("/v1/runs/r/snapshots/0", b"\x10" + bytes(7) + b"GARBAGE", junk, "not a safetensors file"),
-        ("/v1/runs/r/model/config.json", b"\x89PNG\r\n", 60 << 20, "JSON object"),  # model files: 64 MiB at most
+        (
+            "/v1/runs/r/model/config.json",
+            b"\x89PNG\r\n",
+            60 << 20,
+            "JSON object",
+        ),  # model files: 64 MiB at most
     ]
     for path, head, declared, needle in cases:
         t0 = time.monotonic()

@@ -41,14 +41,28 @@ EXAMPLES = 100
 def servers(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) -> Iterator[dict[str, str]]:
     tmp = tmp_path_factory.mktemp("fuzz")
     prefix = f"test:fuzz-{time.time_ns()}"
-    registry = RegistrySettings(store_url=f"file://{tmp / 'store'}", api_token=TOKEN, max_upload_bytes=1 << 20)
+    registry = RegistrySettings(
+        store_url=f"file://{tmp / 'store'}", api_token=TOKEN, max_upload_bytes=1 << 20
+    )
     rollout = RolloutSettings(model=tiny_model_dir, device="cpu", kv_policy="dense", max_batch=4,
                               max_new_tokens_limit=8, api_token=TOKEN, redis_url="", registry_url="")
     with serve_app(create_registry(registry)) as registry_url:
-        trainer = TrainerSettings(model=tiny_model_dir, device="cpu", data_dir=str(tmp / "trainer"), run="fuzz",
-                                  api_token=TOKEN, registry_url=registry_url, redis_url=REDIS_URL,
-                                  redis_prefix=prefix, coord=CoordSettings(max_queue=25_000), checkpoint_every=0)
-        with serve_app(create_trainer(trainer)) as trainer_url, serve_app(create_rollout(rollout)) as rollout_url:
+        trainer = TrainerSettings(
+            model=tiny_model_dir,
+            device="cpu",
+            data_dir=str(tmp / "trainer"),
+            run="fuzz",
+            api_token=TOKEN,
+            registry_url=registry_url,
+            redis_url=REDIS_URL,
+            redis_prefix=prefix,
+            coord=CoordSettings(max_queue=25_000),
+            checkpoint_every=0,
+        )
+        with (
+            serve_app(create_trainer(trainer)) as trainer_url,
+            serve_app(create_rollout(rollout)) as rollout_url,
+        ):
             wait_ready(trainer_url)
             yield {"trainer": trainer_url, "registry": registry_url, "rollout": rollout_url}
     client = redis.Redis.from_url(REDIS_URL)
@@ -61,7 +75,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) -> It
 @schemathesis.check
 def detail_is_a_string(ctx, response, case) -> bool | None:
     """Every error answer carries {"detail": "<text>"} (shared.http.ErrorBody)."""
-    if response.status_code >= 400 and response.headers.get("content-type", [""])[0].startswith("application/json"):
+    if response.status_code >= 400 and response.headers.get("content-type", [""])[0].startswith(
+        "application/json"
+    ):
         body = response.json()
         assert isinstance(body, dict) and isinstance(body.get("detail"), str) and body["detail"], (
             f"{response.status_code} without a string detail: {body!r}")
@@ -116,7 +132,11 @@ def test_every_input_gets_an_answer_the_document_describes(servers: dict[str, st
 def test_the_documents_describe_bodies_and_errors(servers: dict[str, str]) -> None:
     docs = {name: httpx.get(f"{url}/openapi.json").json() for name, url in servers.items()}
     prompts = docs["trainer"]["paths"]["/v1/prompts"]["post"]
-    assert set(prompts["requestBody"]["content"]) == {"application/json", "application/x-ndjson", "multipart/form-data"}
+    assert set(prompts["requestBody"]["content"]) == {
+        "application/json",
+        "application/x-ndjson",
+        "multipart/form-data",
+    }
     assert "prompts" in prompts["requestBody"]["content"]["application/json"]["schema"]["properties"]
     for path in ("/v1/runs/{run}/patches/{version}", "/v1/runs/{run}/snapshots/{version}"):
         put = docs["registry"]["paths"][path]["put"]

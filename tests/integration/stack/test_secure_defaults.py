@@ -28,11 +28,15 @@ def test_every_service_binds_loopback_by_default() -> None:
     env = clean_env()
     for settings in (RegistrySettings, TrainerSettings, RolloutSettings):
         code = f"from {settings.__module__} import {settings.__name__} as S; print(S().host)"
-        out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
         assert out.stdout.strip() == "127.0.0.1", (settings.__name__, out.stderr[-500:])
 
 
-@pytest.mark.parametrize(("service", "host"), [("registry", "0.0.0.0"), ("trainer", "0.0.0.0"), ("rollout", "::")])
+@pytest.mark.parametrize(
+    ("service", "host"), [("registry", "0.0.0.0"), ("trainer", "0.0.0.0"), ("rollout", "::")]
+)
 def test_a_public_bind_without_a_token_refuses_to_start(service: str, host: str, tmp_path: Path) -> None:
     # Port 9 (discard) would need root on most hosts anyway: the check runs before any bind.
     env = clean_env(SPARSECAST_HOST=host, SPARSECAST_PORT="9", SPARSECAST_DATA_DIR=str(tmp_path),

@@ -62,7 +62,10 @@ def test_loops_ride_out_redis_client_kill_and_restart(tmp_path: Path, tiny_model
         assert stack.wait_workers_at_head() == 6
         wait_for(lambda: get(f"{stack.trainer_url}/readyz").status_code == 200, 30, "trainer ready again")
         wait_for(lambda: get(f"{worker}/readyz").status_code == 200, 30, "worker ready again")
-        trainer_metrics, worker_metrics = get(f"{stack.trainer_url}/metrics").text, get(f"{worker}/metrics").text
+        trainer_metrics, worker_metrics = (
+            get(f"{stack.trainer_url}/metrics").text,
+            get(f"{worker}/metrics").text,
+        )
         keys = [k.decode() for k in redis_server.client().scan_iter(match="*")]
     assert metric(trainer_metrics, "trainer_dependency_outages", dependency="redis") >= 2
     assert metric(worker_metrics, "rollout_dependency_outages", dependency="redis") >= 2
@@ -116,7 +119,9 @@ def test_a_trained_step_waits_for_the_registry(tmp_path: Path, tiny_model_dir: s
         stack.submit(8)
         stack.wait_step(1)
         stack.stop_registry()
-        wait_for(lambda: stack.status()["dependencies"]["registry"]["down"], 60, "the trainer to meet the outage")
+        wait_for(
+            lambda: stack.status()["dependencies"]["registry"]["down"], 60, "the trainer to meet the outage"
+        )
         assert get(f"{stack.trainer_url}/healthz").status_code == 200
         assert get(f"{stack.trainer_url}/readyz").status_code == 503
         assert get(f"{stack.trainer_url}/v1/versions").status_code == 503  # not a 500
@@ -137,15 +142,24 @@ def test_a_trained_step_waits_for_the_registry(tmp_path: Path, tiny_model_dir: s
         trainer_metrics, "trainer_dependency_outages", dependency="registry")
 
 
-def test_worker_started_before_v0_waits_for_the_run(tmp_path: Path, tiny_model_dir: str, redis_url: str,
-                                                    redis_prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_worker_started_before_v0_waits_for_the_run(
+    tmp_path: Path, tiny_model_dir: str, redis_url: str, redis_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """Row 10: a worker whose registry is not up yet, then whose run has no version yet, stays up
     (alive, not ready, one log line) and starts working once the trainer publishes v0."""
     caplog.set_level(logging.INFO)
     run, port = "early", free_port()
     registry_url = f"http://127.0.0.1:{port}"
-    settings = RolloutSettings(model="", registry_url=registry_url, run=run, device="cpu", redis_url=redis_url,
-                               redis_prefix=redis_prefix, worker_id="early", data_dir=str(tmp_path / "w"))
+    settings = RolloutSettings(
+        model="",
+        registry_url=registry_url,
+        run=run,
+        device="cpu",
+        redis_url=redis_url,
+        redis_prefix=redis_prefix,
+        worker_id="early",
+        data_dir=str(tmp_path / "w"),
+    )
     with serve_app(create_rollout(settings)) as worker:
         assert get(f"{worker}/healthz").status_code == 200
         r = get(f"{worker}/readyz")
@@ -161,14 +175,19 @@ def test_worker_started_before_v0_waits_for_the_run(tmp_path: Path, tiny_model_d
             for name in MODEL_FILES:
                 path = Path(tiny_model_dir) / name
                 if path.is_file():
-                    assert httpx.put(f"{api}/model/{name}", content=path.read_bytes(), headers=AUTH).status_code == 200
+                    assert (
+                        httpx.put(f"{api}/model/{name}", content=path.read_bytes(), headers=AUTH).status_code
+                        == 200
+                    )
             weights = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
             assert httpx.put(f"{api}/snapshots/0", content=save_snapshot(weights, run=run, version=0),
                              headers=AUTH).status_code == 200
             wait_for(lambda: get(f"{worker}/readyz").status_code == 200, 60, "the worker to load v0")
             assert get(f"{worker}/v1/weights").json()["version"] == 0
             assert get(f"{worker}/healthz").status_code == 200
-    waits = [r for r in caplog.records if r.name == "services.rollout.app" and "unavailable" in r.getMessage()]
+    waits = [
+        r for r in caplog.records if r.name == "services.rollout.app" and "unavailable" in r.getMessage()
+    ]
     assert len(waits) == 1, [r.getMessage() for r in waits]  # one outage, one line, however many tries
 
 
@@ -176,9 +195,19 @@ def test_liveness_fails_when_a_loop_dies_or_sticks(tmp_path: Path, tiny_model_di
                                                    redis_prefix: str) -> None:
     """/healthz is liveness: 503 for a worker loop stuck past its bound (here: it waits for an
     engine held by a long request), back to 200 when it moves, and 503 for good once it died."""
-    settings = RolloutSettings(model=tiny_model_dir, device="cpu", redis_url=redis_url, redis_prefix=redis_prefix,
-                               registry_url="", worker_id="stuck", kv_policy="dense", max_new_tokens=4,
-                               temperature=0, stall_s=2.5, data_dir=str(tmp_path))
+    settings = RolloutSettings(
+        model=tiny_model_dir,
+        device="cpu",
+        redis_url=redis_url,
+        redis_prefix=redis_prefix,
+        registry_url="",
+        worker_id="stuck",
+        kv_policy="dense",
+        max_new_tokens=4,
+        temperature=0,
+        stall_s=2.5,
+        data_dir=str(tmp_path),
+    )
     app = create_rollout(settings)
     with serve_app(app) as worker:
         assert get(f"{worker}/healthz").json()["ok"] is True
@@ -233,15 +262,26 @@ def test_a_group_whose_reward_raises_fails_alone(tmp_path: Path, tiny_model_dir:
     with three good ones: the good ones complete, each poison attempt is counted with its error and
     the group dead-lettered after max_attempts; the worker loop lives on."""
     coord = CoordSettings(max_attempts=2, base_claim=5, max_claim=5)
-    settings = RolloutSettings(model=tiny_model_dir, device="cpu", redis_url=redis_url, redis_prefix=redis_prefix,
-                               registry_url="", worker_id="w-poison", kv_policy="dense", max_new_tokens=4,
-                               data_dir=str(tmp_path), coord=coord)
+    settings = RolloutSettings(
+        model=tiny_model_dir,
+        device="cpu",
+        redis_url=redis_url,
+        redis_prefix=redis_prefix,
+        registry_url="",
+        worker_id="w-poison",
+        kv_policy="dense",
+        max_new_tokens=4,
+        data_dir=str(tmp_path),
+        coord=coord,
+    )
     good = [PromptGroup(id=f"good{i}", task="addition", prompt=f"{i}+1=", answer=str(i + 1), samples=2)
             for i in range(3)]
     poison = [PromptGroup(id="bad-answer", task="countdown", prompt="countdown 3 7 25 to 46\n", answer="46",
                           samples=2),
               PromptGroup(id="no-answer", task="countdown", prompt="countdown 1 2 to 3\n", samples=2)]
-    asyncio.run(_enqueue(redis_url, redis_prefix, settings.run, [good[0], poison[0], good[1], poison[1], good[2]]))
+    asyncio.run(
+        _enqueue(redis_url, redis_prefix, settings.run, [good[0], poison[0], good[1], poison[1], good[2]])
+    )
 
     async def observe(take: bool = False) -> tuple[dict, list[dict], dict[str, str], list[str]]:
         client = aioredis.from_url(redis_url)
@@ -262,7 +302,9 @@ def test_a_group_whose_reward_raises_fails_alone(tmp_path: Path, tiny_model_dir:
     assert alive == 200
     assert stats["failures"] == 4 and stats["failed_groups"] == 2 and stats["leases_pending"] == 0
     reasons = {d["group_id"]: d["reason"] for d in dead}
-    assert reasons["bad-answer"].startswith("failed: 2 attempts; last error: ValueError: a countdown answer looks like")
+    assert reasons["bad-answer"].startswith(
+        "failed: 2 attempts; last error: ValueError: a countdown answer looks like"
+    )
     assert reasons["no-answer"].startswith("failed: 2 attempts; last error: ValueError")
     assert failures["bad-answer"].startswith("2 w-poison: ValueError")
     assert metric(worker_metrics, "rollout_group_failures") == 4

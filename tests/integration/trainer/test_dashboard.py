@@ -21,8 +21,10 @@ from tests.integration.demo_helpers import DemoRun, read_env_file
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 selenium = pytest.importorskip("selenium", reason="selenium is not installed (pip install selenium)")
-pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
-                                reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
+pytestmark = pytest.mark.skipif(
+    not (CHROMIUM and CHROMEDRIVER),
+    reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)",
+)
 
 
 @pytest.fixture
@@ -59,15 +61,35 @@ def _wait(driver, condition, timeout: float, what: str):
 def test_dashboard_shows_live_data_and_the_demo_stops_on_ctrl_c(tmp_path: Path, tiny_model_dir: str,
                                                                   browser) -> None:
     folder = tmp_path / "demo"
-    run = DemoRun("--steps", "3", "--workers", "1", "--groups", "2", "--samples", "4", "--model", tiny_model_dir,
-                  "--dir", str(folder), "--keep-running")
+    run = DemoRun(
+        "--steps",
+        "3",
+        "--workers",
+        "1",
+        "--groups",
+        "2",
+        "--samples",
+        "4",
+        "--model",
+        tiny_model_dir,
+        "--dir",
+        str(folder),
+        "--keep-running",
+    )
     try:
         run.wait_for("the stack keeps running", timeout=400)
         env = read_env_file(folder / "stack.env")
         browser.get(env["SPARSECAST_TRAINER_URL"] + "/")
         assert browser.title == "sparsecast dashboard"
-        _wait(browser, "return document.getElementById('state').textContent === 'finished'", 30, "finished state")
-        _wait(browser, "return document.querySelectorAll('#versions tbody tr').length === 4", 30, "4 versions")
+        _wait(
+            browser,
+            "return document.getElementById('state').textContent === 'finished'",
+            30,
+            "finished state",
+        )
+        _wait(
+            browser, "return document.querySelectorAll('#versions tbody tr').length === 4", 30, "4 versions"
+        )
 
         # Charts render: line charts have a path through every step, the patch chart a bar per patch.
         paths = browser.execute_script("""
@@ -81,7 +103,11 @@ def test_dashboard_shows_live_data_and_the_demo_stops_on_ctrl_c(tmp_path: Path, 
         assert all(d.count("L") == 2 for d in reward.values()), reward  # three steps: M + 2 L
         assert dict(paths["chart-patch"])["patch bytes"].count("Z") == 3  # v1..v3
         assert len(paths["chart-changed"]) == 1 and len(paths["chart-kv"]) >= 1
-        assert {n for n, _ in paths["chart-corrections"]} == {"rejected sequences", "masked tokens", "PPO clipped"}
+        assert {n for n, _ in paths["chart-corrections"]} == {
+            "rejected sequences",
+            "masked tokens",
+            "PPO clipped",
+        }
         assert dict(paths["chart-throughput"]).get("demo-worker-1"), paths["chart-throughput"]
 
         text = browser.execute_script("return document.body.innerText")

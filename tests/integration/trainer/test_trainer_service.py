@@ -35,7 +35,9 @@ def wait_ready(url: str, timeout: float = 120) -> dict:
 
 
 @contextmanager
-def stack(tmp_path: Path, model_dir: str, redis_url: str, redis_prefix: str, **trainer_overrides) -> Iterator[tuple[str, str]]:
+def stack(
+    tmp_path: Path, model_dir: str, redis_url: str, redis_prefix: str, **trainer_overrides
+) -> Iterator[tuple[str, str]]:
     reg = RegistrySettings(store_url=f"file://{tmp_path / 'store'}", api_token=TOKEN)
     with serve_app(create_registry(reg)) as registry_url:
         settings = TrainerSettings(model=model_dir, device="cpu", data_dir=str(tmp_path / "trainer"), run="t",
@@ -72,8 +74,11 @@ def idle_trainer_url(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: s
 
 def test_prompts_in_every_form(trainer_url: str) -> None:
     url = f"{trainer_url}/v1/prompts"
-    r = httpx.post(url, json={"task": "addition", "samples_per_prompt": 4, "generate": {"count": 5, "seed": 1}},
-                   headers=AUTH)
+    r = httpx.post(
+        url,
+        json={"task": "addition", "samples_per_prompt": 4, "generate": {"count": 5, "seed": 1}},
+        headers=AUTH,
+    )
     assert r.status_code == 200, r.text
     assert r.json()["count"] == 5 and r.json()["samples_per_prompt"] == 4 and len(set(r.json()["ids"])) == 5
 
@@ -87,7 +92,9 @@ def test_prompts_in_every_form(trainer_url: str) -> None:
     assert r.status_code == 200, r.text
     assert r.json()["count"] == 2 and r.json()["task"] == "gsm8k"
 
-    r = httpx.post(f"{url}?task=gsm8k", files={"file": ("p.jsonl", jsonl, "application/x-ndjson")}, headers=AUTH)
+    r = httpx.post(
+        f"{url}?task=gsm8k", files={"file": ("p.jsonl", jsonl, "application/x-ndjson")}, headers=AUTH
+    )
     assert r.status_code == 200 and r.json()["count"] == 2
 
     status = httpx.get(f"{trainer_url}/v1/status").json()
@@ -110,14 +117,26 @@ def test_prompts_in_every_form(trainer_url: str) -> None:
         ({"json": {"generate": {"count": 2}, "samples_per_prompt": 0}}, 422, "samples_per_prompt"),
         ({"json": {"generate": {"count": 2}, "colour": "red"}}, 422, "colour"),
         ({"content": b"{bad json", "headers": {"content-type": "application/x-ndjson"}}, 422, "line 1"),
-        ({"content": b'{"question": "q", "answer": "none"}', "headers": {"content-type": "application/x-ndjson"}},
-         422, "no final number"),
-        ({"content": b"[1, 2]", "headers": {"content-type": "application/x-ndjson"}}, 422, "expected an object"),
+        (
+            {
+                "content": b'{"question": "q", "answer": "none"}',
+                "headers": {"content-type": "application/x-ndjson"},
+            },
+            422,
+            "no final number",
+        ),
+        (
+            {"content": b"[1, 2]", "headers": {"content-type": "application/x-ndjson"}},
+            422,
+            "expected an object",
+        ),
         ({"content": b"hello", "headers": {"content-type": "image/png"}}, 415, "JSONL"),
         ({"json": {"generate": {"count": 51}}}, 429, "queue"),
     ],
 )
-def test_bad_prompt_requests_get_a_clear_4xx(idle_trainer_url: str, kwargs: dict, status: int, needle: str) -> None:
+def test_bad_prompt_requests_get_a_clear_4xx(
+    idle_trainer_url: str, kwargs: dict, status: int, needle: str
+) -> None:
     trainer_url = idle_trainer_url
     headers = kwargs.pop("headers", {})
     if status != 401:

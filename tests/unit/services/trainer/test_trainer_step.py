@@ -35,7 +35,9 @@ def _trajectories(vocab: int, groups: int = 3, samples: int = 4, seed: int = 0) 
 
 
 def _settings(model_dir: str, tmp_path: Path, **overrides) -> TrainerSettings:
-    return TrainerSettings(model=model_dir, data_dir=str(tmp_path), **({"device": "cpu", "lr": 1e-3} | overrides))
+    return TrainerSettings(
+        model=model_dir, data_dir=str(tmp_path), **({"device": "cpu", "lr": 1e-3} | overrides)
+    )
 
 
 def _trainer(model_dir: str, tmp_path: Path, **overrides) -> Trainer:
@@ -76,7 +78,9 @@ def test_micro_batching_gives_the_same_update(tiny_model_dir: str, tmp_path: Pat
     assert m_whole["step"] == 1 and m_whole["sequences"] == 12 and m_whole["updates"] == 4
 
 
-def test_step_changes_a_sparse_set_of_bf16_weights_and_the_patch_is_exact(tiny_model_dir: str, tmp_path: Path) -> None:
+def test_step_changes_a_sparse_set_of_bf16_weights_and_the_patch_is_exact(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
     trainer = _trainer(tiny_model_dir, tmp_path, lr=1e-5)
     before = trainer.published
     assert "lm_head.weight" not in before  # tied: listed once, as save_pretrained does
@@ -92,10 +96,14 @@ def test_step_changes_a_sparse_set_of_bf16_weights_and_the_patch_is_exact(tiny_m
     assert all(torch.equal(replica[k].view(torch.int16), after[k].view(torch.int16)) for k in after)
 
 
-def test_batch_gain_is_positive_for_a_descent_step_and_negative_for_ascent(tiny_model_dir: str, tmp_path: Path) -> None:
+def test_batch_gain_is_positive_for_a_descent_step_and_negative_for_ascent(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
     trajectories = _trajectories(vocab=90)
     assert "batch_gain" not in _learner(tiny_model_dir, tmp_path / "off").train_step(trajectories)
-    descent = _learner(tiny_model_dir, tmp_path / "d", lr=1e-4, measure_batch_gain=True).train_step(trajectories)
+    descent = _learner(tiny_model_dir, tmp_path / "d", lr=1e-4, measure_batch_gain=True).train_step(
+        trajectories
+    )
     assert descent["batch_gain"] > 0
     # A negative learning rate walks up the loss: the metric must see the policy move the wrong way.
     ascent = _learner(tiny_model_dir, tmp_path / "a", lr=1e-4, measure_batch_gain=True)
@@ -106,7 +114,9 @@ def test_batch_gain_is_positive_for_a_descent_step_and_negative_for_ascent(tiny_
 
 @pytest.mark.gpu
 def test_a_step_runs_on_cuda(tiny_model_dir: str, tmp_path: Path) -> None:
-    learner = _learner(tiny_model_dir, tmp_path, device="cuda", lr=1e-4, measure_batch_gain=True, loss={"kl_coef": 0.01})
+    learner = _learner(
+        tiny_model_dir, tmp_path, device="cuda", lr=1e-4, measure_batch_gain=True, loss={"kl_coef": 0.01}
+    )
     metrics = learner.train_step(_trajectories(vocab=90))
     assert math.isfinite(metrics["loss"]) and metrics["batch_gain"] > 0
 
@@ -164,7 +174,9 @@ def test_trainer_refuses_trajectories_sampled_otherwise(tiny_model_dir: str, tmp
     assert trainer.train_step([good])["refused_trajectories"] == 0
 
 
-def test_heldout_evaluation_is_repeatable_and_reported_on_schedule(tiny_model_dir: str, tmp_path: Path) -> None:
+def test_heldout_evaluation_is_repeatable_and_reported_on_schedule(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
     trainer = _trainer(tiny_model_dir, tmp_path, eval_every=2, eval_prompts=8)
     rng = torch.get_rng_state()
     first, again = trainer.evaluate(), trainer.evaluate()

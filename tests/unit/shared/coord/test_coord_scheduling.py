@@ -32,7 +32,9 @@ def test_unmeasured_worker_gets_base_and_unknown_worker_min() -> None:
     assert claim_size(None, fleet, 7, SETTINGS) == SETTINGS.min_claim
 
 
-@pytest.mark.parametrize(("version", "trainer", "lagging"), [(7, 7, False), (6, 7, False), (5, 7, True), (9, 7, False)])
+@pytest.mark.parametrize(
+    ("version", "trainer", "lagging"), [(7, 7, False), (6, 7, False), (5, 7, True), (9, 7, False)]
+)
 def test_staleness_bound(version: int, trainer: int, lagging: bool) -> None:
     assert is_lagging(version, trainer, SETTINGS) is lagging
     me = worker("w", 200, version)

@@ -122,7 +122,9 @@ def test_unknown_tensor_and_mismatched_shapes_or_dtypes(small_patch):
 def test_target_mismatch_restores_old_bits():
     old, new = _states()
     # A patch claiming a target fingerprint the weights cannot reach.
-    patch = extract_patch(old, new, run="r", base_version=0, target_version=1, target_fingerprint="fp1-" + "0" * 32)
+    patch = extract_patch(
+        old, new, run="r", base_version=0, target_version=1, target_fingerprint="fp1-" + "0" * 32
+    )
     state = _clone(old)
     with pytest.raises(TargetMismatchError):
         apply_patch(state, patch)
@@ -134,7 +136,9 @@ def test_extract_rejects_mismatched_states():
     with pytest.raises(UnknownTensorError):
         extract_patch(old, {**new, "extra": torch.zeros(1)}, run="r", base_version=0, target_version=1)
     with pytest.raises(TensorMismatchError):
-        extract_patch(old, {**new, "b.weight": new["b.weight"].double()}, run="r", base_version=0, target_version=1)
+        extract_patch(
+            old, {**new, "b.weight": new["b.weight"].double()}, run="r", base_version=0, target_version=1
+        )
     with pytest.raises(PatchError):
         extract_patch(old, new, run="r", base_version=0, target_version=1, encoding="xor")  # type: ignore[arg-type]
 

@@ -27,7 +27,9 @@ def test_adamw_steps_patch_to_bit_identical_weights():
         optimizer.step()
         optimizer.zero_grad()
         versions.append(published())
-        patch = extract_patch(versions[-2], versions[-1], run="tiny", base_version=step, target_version=step + 1)
+        patch = extract_patch(
+            versions[-2], versions[-1], run="tiny", base_version=step, target_version=step + 1
+        )
         header = apply_patch(replica, patch)
         patches.append(patch)
         assert all(torch.equal(bits(replica[k]), bits(versions[-1][k])) for k in replica)

@@ -51,11 +51,16 @@ def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 @settings(max_examples=40, deadline=None)
-@given(pairs=st.lists(tensor_pair(), min_size=1, max_size=4), encoding=st.sampled_from(["auto", "values", "bitdelta"]))
+@given(
+    pairs=st.lists(tensor_pair(), min_size=1, max_size=4),
+    encoding=st.sampled_from(["auto", "values", "bitdelta"]),
+)
 def test_round_trip_is_bit_exact(pairs, encoding):
     old = {f"t{i}": o for i, (o, _) in enumerate(pairs)}
     new = {f"t{i}": n for i, (_, n) in enumerate(pairs)}
-    patch = extract_patch(old, new, run="r", base_version=3, target_version=4, encoding=encoding, chunk_bytes=64)
+    patch = extract_patch(
+        old, new, run="r", base_version=3, target_version=4, encoding=encoding, chunk_bytes=64
+    )
     state = {k: v.clone() for k, v in old.items()}
     header = apply_patch(state, patch)
     assert _same_bits(state, new)
@@ -67,7 +72,9 @@ def test_round_trip_is_bit_exact(pairs, encoding):
 @given(pair=tensor_pair())
 def test_values_patch_is_idempotent(pair):
     old, new = pair
-    patch = extract_patch({"w": old}, {"w": new}, run="r", base_version=0, target_version=1, encoding="values")
+    patch = extract_patch(
+        {"w": old}, {"w": new}, run="r", base_version=0, target_version=1, encoding="values"
+    )
     state = {"w": old.clone()}
     apply_patch(state, patch, verify=False)
     apply_patch(state, patch, verify=False)
@@ -82,7 +89,9 @@ def test_merge_equals_sequential_apply(chain, encoding, with_base):
     # Versions v0..vk: v0 = first pair's old, v_{i+1} = pair i's new (a chain of arbitrary states).
     versions = [{"w": chain[0][0], "z": torch.zeros(3)}] + [{"w": n, "z": torch.zeros(3)} for _, n in chain]
     patches = [
-        extract_patch(versions[i], versions[i + 1], run="r", base_version=i, target_version=i + 1, encoding=encoding)
+        extract_patch(
+            versions[i], versions[i + 1], run="r", base_version=i, target_version=i + 1, encoding=encoding
+        )
         for i in range(len(chain))
     ]
     base = {k: v.clone() for k, v in versions[0].items()}

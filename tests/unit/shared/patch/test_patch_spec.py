@@ -53,7 +53,9 @@ def spec_apply(patch: bytes, tensors: dict[str, tuple[str, tuple[int, ...], byte
     for t in header["tensors"]:
         w = WIDTH[t["dtype"]]
         index = zstandard.ZstdDecompressor().decompress(data[t["index"]["offset"] :][: t["index"]["length"]])
-        payload = zstandard.ZstdDecompressor().decompress(data[t["payload"]["offset"] :][: t["payload"]["length"]])
+        payload = zstandard.ZstdDecompressor().decompress(
+            data[t["payload"]["offset"] :][: t["payload"]["length"]]
+        )
         gaps, value, shift = [], 0, 0
         for byte in index:
             value |= (byte & 0x7F) << shift
@@ -80,8 +82,14 @@ def spec_apply(patch: bytes, tensors: dict[str, tuple[str, tuple[int, ...], byte
 
 
 def _as_spec(state: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
-    return {k: (str(v.dtype).removeprefix("torch."), tuple(v.shape), v.view(-1).view(torch.uint8).numpy().tobytes())
-            for k, v in state.items()}
+    return {
+        k: (
+            str(v.dtype).removeprefix("torch."),
+            tuple(v.shape),
+            v.view(-1).view(torch.uint8).numpy().tobytes(),
+        )
+        for k, v in state.items()
+    }
 
 
 def test_a_decoder_written_from_the_spec_reads_our_patches():
@@ -95,6 +103,8 @@ def test_a_decoder_written_from_the_spec_reads_our_patches():
     new["norm"][[0, 8]] = torch.tensor([float("nan"), -0.0]).half()
     new["head"][1, 2] = float("inf")
     for encoding in ("values", "bitdelta", "auto"):
-        patch = extract_patch(old, new, run="r", base_version=0, target_version=1, encoding=encoding, chunk_bytes=100)
+        patch = extract_patch(
+            old, new, run="r", base_version=0, target_version=1, encoding=encoding, chunk_bytes=100
+        )
         assert spec_apply(patch, _as_spec(old)) == _as_spec(new)
     assert spec_fingerprint(_as_spec(new)) == fingerprint(new)

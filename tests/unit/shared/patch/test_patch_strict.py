@@ -33,7 +33,10 @@ torch.set_num_threads(1)
 
 def _states() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(3)
-    old = {"a.weight": torch.randn(32, 8, generator=g).bfloat16(), "b.weight": torch.randn(64, generator=g).bfloat16()}
+    old = {
+        "a.weight": torch.randn(32, 8, generator=g).bfloat16(),
+        "b.weight": torch.randn(64, generator=g).bfloat16(),
+    }
     new = {k: v.clone() for k, v in old.items()}
     bits(new["a.weight"])[[1, 5, 200, 255]] += 1
     bits(new["b.weight"])[[0, 63]] -= 1
@@ -43,7 +46,9 @@ def _states() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
 @pytest.fixture(scope="module")
 def patch() -> bytes:
     old, new = _states()
-    return extract_patch(old, new, run="r", base_version=0, target_version=1, encoding="values", chunk_bytes=8)
+    return extract_patch(
+        old, new, run="r", base_version=0, target_version=1, encoding="values", chunk_bytes=8
+    )
 
 
 def split(data: bytes) -> tuple[dict, bytes]:
@@ -125,7 +130,10 @@ def test_writer_refuses_a_header_over_the_cap() -> None:
     ("mutate", "match"),
     [
         (lambda h: h.update(changed=h["changed"] + 1), "sum of the tensors' counts"),
-        (lambda h: h["tensors"][0]["payload"].update(offset=h["tensors"][0]["payload"]["offset"] + 1), "next"),
+        (
+            lambda h: h["tensors"][0]["payload"].update(offset=h["tensors"][0]["payload"]["offset"] + 1),
+            "next",
+        ),
         (lambda h: h["tensors"][1]["index"].update(offset=0), "next"),  # aliases tensor 0's stream
         (lambda h: h.update(data_bytes=h["data_bytes"] + 1), "cover"),
         (lambda h: h.update(chunk_bytes=0), "chunk_bytes"),
@@ -137,8 +145,20 @@ def test_writer_refuses_a_header_over_the_cap() -> None:
         (lambda h: h.update(run="\ud800"), "Unicode"),
         (lambda h: h.update(note={"\udfff": 1}), "Unicode"),  # unknown fields are checked too
     ],
-    ids=["changed", "gap", "alias", "data_bytes", "chunk_zero", "chunk_tiling",
-         "fingerprint", "fingerprint_kind", "int64", "shape_int64", "surrogate", "surrogate_key"],
+    ids=[
+        "changed",
+        "gap",
+        "alias",
+        "data_bytes",
+        "chunk_zero",
+        "chunk_tiling",
+        "fingerprint",
+        "fingerprint_kind",
+        "int64",
+        "shape_int64",
+        "surrogate",
+        "surrogate_key",
+    ],
 )
 def test_header_inconsistencies_are_refused(patch: bytes, mutate, match: str) -> None:
     header, data = split(patch)
@@ -185,9 +205,12 @@ def _with_stream(patch: bytes, index: bytes | None = None, payload: bytes | None
                  index_raw_length: int | None = None) -> bytes:
     tensors = encoded(patch)
     first = tensors[0]
-    tensors[0] = replace(first, index=first.index if index is None else index,
-                         payload=first.payload if payload is None else payload,
-                         index_raw_length=first.index_raw_length if index_raw_length is None else index_raw_length)
+    tensors[0] = replace(
+        first,
+        index=first.index if index is None else index,
+        payload=first.payload if payload is None else payload,
+        index_raw_length=first.index_raw_length if index_raw_length is None else index_raw_length,
+    )
     return rewrite(patch, tensors)
 
 
@@ -199,7 +222,9 @@ def _first_raw(patch: bytes) -> tuple[bytes, bytes]:
 
 def _trained_dictionary() -> zstandard.ZstdCompressionDict:
     rng = torch.Generator().manual_seed(0)
-    samples = [bytes(torch.randint(0, 4, (200,), generator=rng, dtype=torch.uint8).tolist()) for _ in range(400)]
+    samples = [
+        bytes(torch.randint(0, 4, (200,), generator=rng, dtype=torch.uint8).tolist()) for _ in range(400)
+    ]
     return zstandard.train_dictionary(1024, samples)
 
 
@@ -214,7 +239,8 @@ def test_a_stream_is_exactly_one_zstd_frame_with_its_size(patch: bytes, case: st
         "trailing byte": lambda: frame + b"\0",
         "skippable frame": lambda: struct.pack("<II", 0x184D2A50, 3) + b"abc" + frame,
         "dictionary": lambda: zstandard.ZstdCompressor(
-            dict_data=_trained_dictionary(), write_content_size=True, write_dict_id=True).compress(payload_raw),
+            dict_data=_trained_dictionary(), write_content_size=True, write_dict_id=True
+        ).compress(payload_raw),
         "not zstd": lambda: payload_raw,
     }[case]()
     bad = _with_stream(patch, payload=stream)
@@ -258,8 +284,17 @@ def test_index_sums_that_wrap_are_refused() -> None:
     tensor = EncodedTensor("huge", (1 << 62, 4), "uint8", "values", count, compress(leb), len(leb),
                            compress(b"\1\2\3"), count)
     fp = "fp1-" + "0" * 32
-    header = PatchHeader(run="r", base_version=0, base_fingerprint=fp, target_version=1, target_fingerprint=fp,
-                         dense_bytes=1 << 62, numel=1 << 62, changed=count, chunk_bytes=4096)
+    header = PatchHeader(
+        run="r",
+        base_version=0,
+        base_fingerprint=fp,
+        target_version=1,
+        target_fingerprint=fp,
+        dense_bytes=1 << 62,
+        numel=1 << 62,
+        changed=count,
+        chunk_bytes=4096,
+    )
     data = write_patch(header, [tensor])
     read_header(data)
     with pytest.raises(CorruptPatchError, match="overflow"):
@@ -270,7 +305,13 @@ def test_the_empty_patch() -> None:
     old, _ = _states()
     empty = extract_patch(old, old, run="r", base_version=3, target_version=4)
     header, data = split(empty)
-    assert (header["tensors"], header["chunks"], header["changed"], header["data_bytes"], data) == ([], [], 0, 0, b"")
+    assert (header["tensors"], header["chunks"], header["changed"], header["data_bytes"], data) == (
+        [],
+        [],
+        0,
+        0,
+        b"",
+    )
     assert header["base_fingerprint"] == header["target_fingerprint"] == fingerprint(old)
     assert len(empty) == header_size(empty[:16])
     state = {k: v.clone() for k, v in old.items()}

@@ -57,7 +57,9 @@ def test_addition_scratchpad_format_and_length():
     task = get_task("addition")
     assert task.demonstration("add 345+678\n", "1023") == "5+8+0=13\n4+7+1=12\n3+6+1=10\n=1023"
     lengths = [len(task.demonstration(p, a)) for p, a in task.make_prompts(200, seed=0)]
-    assert 30 <= min(lengths) and max(lengths) <= 70  # 3-6 digits: long enough for a KV budget of 16-32 to bite
+    assert (
+        30 <= min(lengths) and max(lengths) <= 70
+    )  # 3-6 digits: long enough for a KV budget of 16-32 to bite
 
 
 def test_addition_prompts_cycle_through_the_digit_counts():
@@ -70,12 +72,17 @@ def test_addition_prompts_cycle_through_the_digit_counts():
 
 def test_running_scratchpad_restates_what_is_left():
     task = get_task("addition", min_digits=3, max_digits=5, scratchpad="running")
-    assert task.demonstration("add 345+678\n", "1023") == "345+678:5+8+0=13\n34+67:4+7+1=12\n3+6:3+6+1=10\n=1023"
+    assert (
+        task.demonstration("add 345+678\n", "1023") == "345+678:5+8+0=13\n34+67:4+7+1=12\n3+6:3+6+1=10\n=1023"
+    )
     for prompt, answer in task.make_prompts(100, seed=1):
         demo = task.demonstration(prompt, answer)
         assert task.reward(demo, answer) == (1.0, True)
         assert len(demo) + 1 <= task.max_new_tokens
-    assert max(len(task.demonstration(p, a)) for p, a in task.make_prompts(200, seed=0)) + 1 == task.max_new_tokens
+    assert (
+        max(len(task.demonstration(p, a)) for p, a in task.make_prompts(200, seed=0)) + 1
+        == task.max_new_tokens
+    )
     with pytest.raises(ValueError, match="scratchpad"):
         get_task("addition", scratchpad="diagonal")
 
@@ -137,7 +144,10 @@ def test_numeric_task_from_jsonl(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     task = get_task("gsm8k", source=path)
     prompts = task.make_prompts(5, seed=1)
-    assert sorted(set(prompts)) == [("Question: 2+2?\nAnswer:", "4"), ("Question: Half of 7?\nAnswer:", "3.5")]
+    assert sorted(set(prompts)) == [
+        ("Question: 2+2?\nAnswer:", "4"),
+        ("Question: Half of 7?\nAnswer:", "3.5"),
+    ]
     assert len(prompts) == 5
     path.write_text('{"question": "no answer"}\n')
     with pytest.raises(ValueError, match=r"q.jsonl:1"):

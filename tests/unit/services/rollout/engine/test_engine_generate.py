@@ -47,8 +47,12 @@ def test_top_k_one_is_greedy_and_top_p_keeps_the_nucleus() -> None:
     _, ours = tiny_pair("qwen3")
     engine = LLMEngine(ours)
     greedy = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=12), KVConfig())
-    top1 = engine.generate(PROMPTS, SamplingParams(temperature=1.0, top_k=1, max_new_tokens=12, seed=1), KVConfig())
-    tiny_p = engine.generate(PROMPTS, SamplingParams(temperature=1.0, top_p=1e-6, max_new_tokens=12, seed=2), KVConfig())
+    top1 = engine.generate(
+        PROMPTS, SamplingParams(temperature=1.0, top_k=1, max_new_tokens=12, seed=1), KVConfig()
+    )
+    tiny_p = engine.generate(
+        PROMPTS, SamplingParams(temperature=1.0, top_p=1e-6, max_new_tokens=12, seed=2), KVConfig()
+    )
     assert [o.token_ids for o in top1] == [o.token_ids for o in greedy] == [o.token_ids for o in tiny_p]
 
 
@@ -71,8 +75,9 @@ def test_stop_tokens_end_each_sequence_and_are_recorded() -> None:
     engine = LLMEngine(ours)
     probe = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=16), KVConfig())
     stop = probe[0].token_ids[5]
-    outs = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=16, stop_token_ids=(stop,)),
-                           KVConfig())
+    outs = engine.generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=16, stop_token_ids=(stop,)), KVConfig()
+    )
     for full, out in zip(probe, outs, strict=True):
         if stop in full.token_ids:
             cut = full.token_ids.index(stop) + 1
@@ -89,7 +94,10 @@ def test_budget_covering_the_sequence_equals_dense(policy: str) -> None:
     engine = LLMEngine(ours)
     params = SamplingParams(temperature=0.9, max_new_tokens=30, seed=9)
     dense = engine.generate(PROMPTS, params, KVConfig())
-    for kv in (KVConfig(policy=policy, budget=30, buffer=4), KVConfig(policy=policy, budget=40, keep_prompt=False)):
+    for kv in (
+        KVConfig(policy=policy, budget=30, buffer=4),
+        KVConfig(policy=policy, budget=40, keep_prompt=False),
+    ):
         sparse = engine.generate(PROMPTS, params, kv)
         for d, s in zip(dense, sparse, strict=True):
             assert s.token_ids == d.token_ids

@@ -18,7 +18,8 @@ HEADS, KV_HEADS, DIM, LAYERS = 4, 2, 8, 2
 
 def _drive(kv: KVConfig, prompt_lengths: list[int], steps: int, seed: int = 0,
            keys: torch.Tensor | None = None) -> KVCache:
-    """Run a cache through prefill and `steps` decode steps with random q/k/v, compressing as the engine does."""
+    """Run a cache through prefill and `steps` decode steps with random q/k/v, compressing as the engine
+    does."""
     gen = torch.Generator().manual_seed(seed)
     batch, width = len(prompt_lengths), max(prompt_lengths)
     cache = KVCache(num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
@@ -164,7 +165,9 @@ def test_rkv_redundancy_keeps_the_newest_copy_of_planted_clusters() -> None:
             for cluster in slots.sort(dim=1).values:
                 clusters += 1
                 newest_least += int(red[head, cluster].argmin() == 2)
-    assert newest_least / clusters >= 0.9, f"newest copy least redundant in {newest_least}/{clusters} clusters"
+    assert newest_least / clusters >= 0.9, (
+        f"newest copy least redundant in {newest_least}/{clusters} clusters"
+    )
 
 
 @pytest.mark.parametrize("policy", ["streaming", "snapkv", "h2o", "rkv"])
