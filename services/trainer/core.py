@@ -67,9 +67,7 @@ def resolve_model_dir(settings: TrainerSettings) -> Path:
         return ensure_warmstart_model(Path(settings.warmstart_cache))
     path = Path(settings.model)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{path} is not a HF model directory (no config.json); use 'tiny-demo' or a model dir"
-        )
+        raise FileNotFoundError(f"{path} is not a HF model directory (no config.json); use 'tiny-demo' or a model dir")
     return path
 
 
@@ -147,21 +145,16 @@ class Trainer:
         elif latest.version > self.version:
             # Published after our last checkpoint: continue from the registry's weights so the
             # version chain stays intact (the optimizer state is the checkpoint's).
-            log.warning(
-                "registry is at v%d, checkpoint at v%d: loading the registry's weights",
-                latest.version,
-                self.version,
-            )
+            log.warning("registry is at v%d, checkpoint at v%d: loading the registry's weights", latest.version,
+                        self.version)
             state = self._cpu(self.published)
             base = self.version if self.version or self.step else None
             result = await self._registry(lambda: sync_weights(self.registry, state, base, latest.version))
             self._load_published(state, result.version)
         else:
             raise RuntimeError(
-                f"registry run {self.settings.run!r} is at v{latest.version} ({latest.fingerprint}) but the "
-                "trainer "
-                f"holds v{self.version} ({fp}): use another run name or the matching checkpoint"
-            )
+                f"registry run {self.settings.run!r} is at v{latest.version} ({latest.fingerprint}) but the trainer "
+                f"holds v{self.version} ({fp}): use another run name or the matching checkpoint")
         await self._redis(self.maintain)
         if self.settings.eval_every and self.step == 0:
             self.eval_baseline = await asyncio.to_thread(self.evaluate)
@@ -215,11 +208,7 @@ class Trainer:
                 self._publish_task = asyncio.create_task(self.publish(new_state, metrics, t0, group_ids))
             await self.wait_published()
         finally:
-            self.state = (
-                "stopped"
-                if not (self.settings.max_steps and self.step >= self.settings.max_steps)
-                else "finished"
-            )
+            self.state = "stopped" if not (self.settings.max_steps and self.step >= self.settings.max_steps) else "finished"
             self.finished.set()
 
     async def wait_published(self) -> None:
@@ -381,9 +370,7 @@ class Trainer:
         if self.settings.checkpoint_every and self.step % self.settings.checkpoint_every == 0:
             await asyncio.to_thread(self.save_checkpoint)
 
-    async def _put_patch(
-        self, target: int, patch: bytes, header: PatchHeader, metrics: dict[str, Any]
-    ) -> None:
+    async def _put_patch(self, target: int, patch: bytes, header: PatchHeader, metrics: dict[str, Any]) -> None:
         try:
             await self.registry.publish_patch(target, patch, metrics=metrics)
         except RegistryHTTPError as exc:
@@ -423,9 +410,7 @@ class Trainer:
         return self.checkpoint_dir
 
     def _load_checkpoint(self) -> None:
-        ckpt = torch.load(
-            self.checkpoint_dir / "trainer.pt", map_location=self.learner.device, weights_only=False
-        )
+        ckpt = torch.load(self.checkpoint_dir / "trainer.pt", map_location=self.learner.device, weights_only=False)
         self.learner.load_state_dict(ckpt)
         self.version, self.history = ckpt["version"], ckpt["history"]
         torch.set_rng_state(ckpt["rng"])

@@ -60,12 +60,8 @@ class Learner:
         torch.manual_seed(settings.seed)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
         self.model.config.use_cache = False
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=settings.lr,
-            weight_decay=settings.weight_decay,
-            betas=(settings.beta1, settings.beta2),
-        )
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
+                                           betas=(settings.beta1, settings.beta2))
         # The KL anchor: the starting weights (the warm start), frozen, in the dtype they were saved in.
         self.ref_model = None
         if settings.loss.kl_coef > 0:
@@ -138,9 +134,7 @@ class Learner:
             # sampled tokens (exact in expectation for on-policy samples; ξ ≈ 1 keeps it close).
             "entropy": float(-(logp_old * mask).sum() / mask.sum().clamp(min=1)),
             # KV the samplers kept vs what a dense cache holds at the end of each sequence.
-            "kv_saved": float(1 - batch.kv_peak_tokens.sum() / lengths.sum())
-            if batch.kv_peak_tokens.sum() > 0
-            else 0.0,
+            "kv_saved": float(1 - batch.kv_peak_tokens.sum() / lengths.sum()) if batch.kv_peak_tokens.sum() > 0 else 0.0,
             "kv_peak_bytes_mean": float(batch.kv_peak_bytes.mean()),
             "staleness": {str(k): v for k, v in batch.staleness(version).items()},
             "by_staleness": self._by_staleness(batch, version, logp_old),
@@ -148,25 +142,16 @@ class Learner:
             **gain,
         }
 
-    def _loss(
-        self,
-        batch: TrainBatch,
-        rows: torch.Tensor,
-        logp_old: torch.Tensor,
-        logp_ref: torch.Tensor | None,
-        advantages: torch.Tensor,
-        corrections: Corrections,
-        normalizer: torch.Tensor,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    def _loss(self, batch: TrainBatch, rows: torch.Tensor, logp_old: torch.Tensor, logp_ref: torch.Tensor | None,
+              advantages: torch.Tensor, corrections: Corrections,
+              normalizer: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         logp_new = self._logprobs(self.model, batch, rows)
         return grpo_loss(logp_new, logp_old[rows], batch.logp_sampler[rows], advantages[rows],
                          batch.completion_mask[rows], self.settings.loss,
                          logp_ref=None if logp_ref is None else logp_ref[rows],
                          corrections=corrections.rows(rows), normalizer=normalizer)
 
-    def _by_staleness(
-        self, batch: TrainBatch, version: int, logp_old: torch.Tensor
-    ) -> dict[str, dict[str, float]]:
+    def _by_staleness(self, batch: TrainBatch, version: int, logp_old: torch.Tensor) -> dict[str, dict[str, float]]:
         versions = torch.tensor(batch.policy_versions, device=self.device)[batch.group_index]
         out = {}
         for lag in sorted(set(batch.staleness(version))):
