@@ -31,7 +31,7 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 import torch
@@ -39,6 +39,9 @@ from pydantic import BaseModel
 
 from shared.coord.keys import Keys
 from shared.patch import PatchError, apply_patch, load_snapshot
+
+if TYPE_CHECKING:
+    from shared.relay import Relay
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +106,7 @@ class Plan(BaseModel):
     total_bytes: int
     steps: list[PlanStep]
     lease_s: float  # the registry keeps the plan's objects at least this long
+    peers: dict[str, list[str]] = {}  # object key → peers holding it (shared.relay), best first
 
 
 # --- errors ----------------------------------------------------------------------------------
@@ -241,6 +245,7 @@ class RegistryClient:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.counters = _Counters()
+        self.relay: Relay | None = None  # shared.relay: fetch from peers first (set by the owner)
         # Plans may merge patches on demand: reads get a long timeout, connects fail fast (retried).
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
@@ -421,11 +426,12 @@ class RegistryClient:
                 await self._backoff(attempt)
                 attempt += 1
 
-    async def _verify_piece(self, download: _Download, i: int) -> None:
-        """Check piece i against its sha256, refetching it once on a mismatch; keep it in the part file."""
+    async def _verify_piece(self, download: _Download, i: int, *, refetch: bool = True) -> bool:
+        """Check piece i against its sha256, refetching it once on a mismatch; keep it in the part
+        file. Without `refetch` a mismatch returns False (a relay then asks the registry)."""
         start, end = download.piece_range(i)
         piece = memoryview(download.buffer)[start:end]
-        for verification in range(2):
+        for verification in range(2 if refetch else 1):
             if verification:
                 await self._receive(download, i, i + 1)
             # hashlib drops the GIL: a thread hashes while the loop keeps every stream receiving.
@@ -438,8 +444,10 @@ class RegistryClient:
                         os.close(fd)
                 download.done[i] = True
                 self.counters.pieces += 1
-                return
+                return True
             log.warning("piece %d of %s failed its sha256 (try %d)", i, download.ref.key, verification + 1)
+        if not refetch:
+            return False
         raise CorruptObjectError(f"{download.ref.key}: piece {i} (bytes {start}-{end}) fails its sha256")
 
     async def download(self, refs: Sequence[ObjectRef]) -> list[memoryview]:
@@ -452,6 +460,17 @@ class RegistryClient:
         large chain again would cost more than hashing it).
         """
         downloads = [self._open_download(ref) for ref in refs]
+        if self.relay is not None:
+            await self.relay.fetch(self, downloads)  # peers first, this registry for the rest
+        else:
+            await self.fetch_direct(downloads)
+        for download in downloads:
+            if download.part is not None:
+                download.part.unlink(missing_ok=True)
+        return [memoryview(d.buffer)[: d.ref.size] for d in downloads]
+
+    async def fetch_direct(self, downloads: Sequence[_Download]) -> None:
+        """Fill downloads from the registry (the body of download())."""
         pending = sum(d.done.count(False) for d in downloads)
         share = -(-pending // self.streams)
         queue: asyncio.Queue[tuple[_Download, int, int]] = asyncio.Queue()
@@ -484,10 +503,6 @@ class RegistryClient:
         except ExceptionGroup as errors:
             # The first failure cancels the other streams; callers handle plain exceptions.
             raise errors.exceptions[0] from None
-        for download in downloads:
-            if download.part is not None:
-                download.part.unlink(missing_ok=True)
-        return [memoryview(d.buffer)[: d.ref.size] for d in downloads]
 
     # -- sync --
 

@@ -29,6 +29,7 @@ from typing import Any, Literal
 import torch
 
 from services.registry.metrics import RegistryMetrics
+from services.registry.peers import PeerDirectory
 from services.registry.settings import RegistrySettings
 from shared.coord.keys import Keys
 from shared.patch import (
@@ -45,6 +46,7 @@ from shared.patch import (
     verify_chunks,
 )
 from shared.registry_client import MODEL_FILES, Manifest, ObjectRef, Plan, PlanStep
+from shared.relay import WORKER_ID, PeerAnnouncement, PeerList
 from shared.storage import ObjectNotFound, ObjectStorage
 
 log = logging.getLogger(__name__)
@@ -226,6 +228,7 @@ class Registry:
         self.metrics = metrics or RegistryMetrics()
         self.announce = announce
         self._runs: dict[str, RunState] = {}
+        self.peers = PeerDirectory(settings.peer_ttl_s, settings.peer_max_listed)
         self._loading = asyncio.Lock()
         self._merge_locks: dict[tuple[str, int, int], asyncio.Lock] = {}
         # Merges are CPU-heavy (seconds for a 1.7B chain): one at a time, whoever asks.
@@ -475,8 +478,23 @@ class Registry:
         chain = [state.manifests.get(v) for v in range(a + 1, b + 1)]
         return chain if all(m is not None and m.patch is not None for m in chain) else None  # type: ignore[misc]
 
+    async def announce_peer(self, run: str, worker: str, body: PeerAnnouncement) -> PeerList:
+        """A worker holds (or is fetching) these objects and serves them at body.url (shared.relay)."""
+        await self._run(run)
+        if not WORKER_ID.fullmatch(worker):
+            raise Invalid(f"bad worker id {worker!r}")
+        for key in body.objects:
+            self.object_key(run, key)  # refuses keys outside the run's folders
+        return PeerList(peers=self.peers.announce(run, worker, body.url, body.objects))
+
+    async def leave_peer(self, run: str, worker: str) -> None:
+        await self._run(run)
+        if not self.peers.leave(run, worker):
+            raise NotFound(f"worker {worker!r} is not a peer of run {run!r}")
+
     async def plan(
-        self, run: str, from_version: int | None, to_version: int | None, *, build_merges: bool = True
+        self, run: str, from_version: int | None, to_version: int | None, *, build_merges: bool = True,
+        peer: str | None = None,
     ) -> Plan:
         """The cheapest way from `from_version` to `to_version`. Without `build_merges` (an
         unauthenticated read) a missing merged patch is not built: the plan uses what is stored,
@@ -524,9 +542,11 @@ class Registry:
         for step in steps:
             state.leases[step.object.key] = max(state.leases.get(step.object.key, 0.0), expiry)
         self.metrics.plans.labels(kind).inc()
+        peers = {st.object.key: self.peers.holders(run, st.object.key, exclude=peer) for st in steps}
         return Plan(
             run=run, from_version=a, to_version=b, kind=kind, fingerprint=target.fingerprint,  # type: ignore[arg-type]
             total_bytes=total, steps=steps, lease_s=self.settings.plan_lease_s,
+            peers={k: v for k, v in peers.items() if v},
         )
 
     async def _merged_for_plan(
