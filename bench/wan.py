@@ -305,7 +305,8 @@ class Stack:
         return proc
 
     def python(self, ns: str, role: str, cfg: dict[str, Any], log: Path) -> subprocess.Popen[bytes]:
-        return self._spawn(ns, [sys.executable, "-m", "bench.wan", f"--{role}", json.dumps(cfg)], log)
+        flag = "--" + role.replace("_", "-")
+        return self._spawn(ns, [sys.executable, "-m", "bench.wan", flag, json.dumps(cfg)], log)
 
     def registry(self, store: Path, prefix: str, log: Path) -> subprocess.Popen[bytes]:
         env = {"SPARSECAST_HOST": Net.HUB_IP, "SPARSECAST_PORT": str(REGISTRY_PORT),
@@ -338,6 +339,21 @@ LINKS: dict[str, list[float | None]] = {
 PROFILES = {"mixed": ["rkv", "dense", "rkv"]}
 
 
+def claim_shares(results: list[dict[str, Any]], window: float, profiles: dict[str, Profile]) -> list[dict[str, Any]]:
+    """What the scheduler (shared.coord.claim_size) gives each worker from its measured decode
+    speed and its share of the window stalled on weight sync, beside the share of tokens it made."""
+    from shared.coord import CoordSettings, claim_size
+    from shared.schemas import WorkerInfo
+
+    fleet = [WorkerInfo(worker_id=f"w{r['worker']}", tokens_per_s=profiles[r["profile"]].tokens_per_s,
+                        sync_stall=min(1.0, sum(r["stalls"]) / window)) for r in results]
+    total = sum(r["tokens"] for r in results) or 1
+    settings = CoordSettings(base_claim=8, max_claim=32)
+    return [{"worker": w.worker_id, "sync_stall": round(w.sync_stall, 3),
+             "claim": claim_size(w, fleet, 0, settings), "token_share": round(r["tokens"] / total, 3)}
+            for w, r in zip(fleet, results, strict=True)]
+
+
 def summarize(name: str, results: list[dict[str, Any]], pub: dict[str, Any], window: float,
               profiles: dict[str, Profile]) -> dict[str, Any]:
     tokens = sum(r["tokens"] for r in results)
@@ -356,6 +372,7 @@ def summarize(name: str, results: list[dict[str, Any]], pub: dict[str, Any], win
 
     return {
         "name": name, "tokens": tokens, "tokens_per_s": round(tokens / window, 1),
+        "claim_share": claim_shares(results, window, profiles),
         "vs_ideal": round(tokens / ideal, 4),
         "per_worker_tokens_per_s": [round(r["tokens_per_s"], 1) for r in results],
         "sync_s": {"n": len(sync_s), "p50": pct(sync_s, 50), "p90": pct(sync_s, 90),
@@ -443,6 +460,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--publisher", help=argparse.SUPPRESS)
+    parser.add_argument("--relay-worker", help=argparse.SUPPRESS)
     parser.add_argument("--chain", type=Path, help="folder of `python -m bench.wan_chain` (made if missing)")
     parser.add_argument("--shape", default="1.7b")
     parser.add_argument("--versions", type=int, default=4, help="versions published per run")
@@ -452,11 +470,13 @@ def main() -> None:
     parser.add_argument("--keep-raw", action="store_true", help="keep every batch and sync in the JSON")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/wan-cpu.json")
     args = parser.parse_args()
-    for role in ("worker", "publisher"):
+    for role in ("worker", "publisher", "relay_worker"):
         if (raw := getattr(args, role)) is not None:
+            from bench.wan_relay import relay_worker
+
             cfg = json.loads(raw)
-            result = asyncio.run(run_worker(cfg) if role == "worker" else run_publisher(cfg))
-            Path(cfg["out"]).write_text(json.dumps(result))
+            job = {"worker": run_worker, "publisher": run_publisher, "relay_worker": relay_worker}[role]
+            Path(cfg["out"]).write_text(json.dumps(asyncio.run(job(cfg))))
             return
     if os.geteuid() != 0:
         sys.exit("bench.wan needs root (network namespaces and tc)")
@@ -469,7 +489,7 @@ def main() -> None:
     if not (chain / "chain.json").exists():
         from bench.wan_chain import prepare
 
-        prepare(chain, args.shape, max(args.versions, 6), RUN)
+        prepare(chain, args.shape, args.versions + 1, RUN)
     args.apply_s = apply_seconds()
     profiles = load_profiles()
     arms = [a for a in MATRIX if not args.only or any(o in "-".join(a) for o in args.only)]

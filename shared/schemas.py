@@ -108,6 +108,9 @@ class WorkerInfo(BaseModel):
     weight_version: int = Field(default=0, ge=0)
     tokens_per_s: float = Field(default=0.0, ge=0.0)  # measured generation throughput; 0 = unknown
     download_mbps: float = Field(default=0.0, ge=0.0)  # measured patch download bandwidth
+    # Share of recent wall time generation waited on weight sync (applying under the engine lock,
+    # or idle while too far behind): the scheduler discounts tokens_per_s by it.
+    sync_stall: float = Field(default=0.0, ge=0.0, le=1.0)
     leases: int = Field(default=0, ge=0)
     url: str | None = None
     updated_at: float = Field(default_factory=time.time)

@@ -146,7 +146,7 @@ class WeightSync:
 
     async def _apply_patches(self, blobs: list[memoryview]) -> int:
         core = self.core
-        async with core.engine_lock:  # batch boundary: no generation runs while weights change
+        async with core.weights_swap():  # batch boundary: no generation runs while weights change
             core.weights.sync_state = "applying"
             state = core.engine.state_dict()
             changed: set[str] = set()
@@ -171,7 +171,7 @@ class WeightSync:
         if fp != plan.fingerprint:
             raise SyncFailed(f"snapshot path ends at fingerprint {fp}, plan promised {plan.fingerprint}")
         core = self.core
-        async with core.engine_lock:
+        async with core.weights_swap():
             core.weights.sync_state = "applying"
             state = core.engine.state_dict()
             if set(state) != set(tensors):
