@@ -332,11 +332,17 @@ class Stack:
 
 LINKS: dict[str, list[float | None]] = {
     "unthrottled": [None, None, None],
+    "unthrottled-mixed": [None, None, None],
     "1gbit": [GBIT, GBIT, GBIT],
     "100mbit": [100 * MBIT] * 3,
     "mixed": [GBIT, GBIT, 100 * MBIT],
 }
-PROFILES = {"mixed": ["rkv", "dense", "rkv"]}
+PROFILES = {"mixed": ["rkv", "dense", "rkv"], "unthrottled-mixed": ["rkv", "dense", "rkv"]}
+
+
+def baseline_links(links: str) -> str:
+    """The unthrottled run with the same workers."""
+    return "unthrottled-mixed" if links == "mixed" else "unthrottled"
 
 
 def claim_shares(results: list[dict[str, Any]], window: float, profiles: dict[str, Profile]) -> list[dict[str, Any]]:
@@ -451,8 +457,7 @@ MATRIX = [  # (mode, sync, links): every arm also runs unthrottled, its baseline
     ("full", "stop", "1gbit"),
     ("chain", "overlap", "100mbit"), ("chain", "stop", "100mbit"), ("merged", "overlap", "100mbit"),
     ("merged", "stop", "100mbit"), ("full", "overlap", "100mbit"), ("full", "stop", "100mbit"),
-    ("chain", "overlap", "mixed"), ("merged", "overlap", "mixed"), ("chain", "stop", "mixed"),
-    ("merged", "stop", "mixed"),
+    ("chain", "overlap", "mixed"), ("chain", "stop", "mixed"),
 ]
 
 
@@ -493,7 +498,7 @@ def main() -> None:
     args.apply_s = apply_seconds()
     profiles = load_profiles()
     arms = [a for a in MATRIX if not args.only or any(o in "-".join(a) for o in args.only)]
-    baselines = sorted({(m, s, "unthrottled") for m, s, links in arms})
+    baselines = sorted({(m, s, baseline_links(links)) for m, s, links in arms})
     rows: list[dict[str, Any]] = []
     result: dict[str, Any] = {
         "bench": "wan", "command": " ".join(["python -m bench.wan", *sys.argv[1:]]),
@@ -525,10 +530,14 @@ def main() -> None:
 
 def finish(result: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     """Ratios to the unthrottled run of the same arm, and the targets."""
-    base = {(r["mode"], r["sync"]): r for r in rows if r["links"] == "unthrottled"}
+    base = {(r["mode"], r["sync"], r["links"]): r for r in rows if r["links"].startswith("unthrottled")}
     for r in rows:
-        b = base.get((r["mode"], r["sync"]))
+        links = r["links"] if r["links"].startswith("unthrottled") else baseline_links(r["links"])
+        b = base.get((r["mode"], r["sync"], links))
         r["vs_unthrottled"] = round(r["tokens"] / b["tokens"], 4) if b and b["tokens"] else None
+        # Against the unthrottled cluster itself (patches, overlapped): the contrast for full weights.
+        p = base.get(("chain", "overlap", links))
+        r["vs_unthrottled_patch_overlap"] = round(r["tokens"] / p["tokens"], 4) if p and p["tokens"] else None
     def best(links: str) -> float | None:
         xs = [r["vs_unthrottled"] for r in rows
               if r["links"] == links and r["sync"] == "overlap" and r["mode"] in ("chain", "merged")
@@ -548,7 +557,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in result["runs"] if r["links"] != "unthrottled"]
+    rows = [r for r in result["runs"] if not r["links"].startswith("unthrottled")]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
     labels = [r["name"] for r in rows]
     ax1.barh(labels, [r["vs_unthrottled"] or 0 for r in rows],
