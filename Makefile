@@ -9,7 +9,7 @@ DEMO_STAMP := $(VENV)/.installed-demo
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow test-fast lint demo bench bench-patch bench-registry bench-queue bench-engine bench-learning clean
+.PHONY: setup test test-slow test-fast lint demo bench bench-patch bench-registry bench-queue bench-engine bench-learning bench-wan clean
 
 setup: $(STAMP)
 
@@ -70,6 +70,10 @@ bench-queue: setup
 
 bench-engine: setup
 	$(PY) -m bench.engine $(BENCH_ARGS)
+
+# Root only (network namespaces and htb); ~45 min on 2 cores, then `BENCH_ARGS=--relay` (~5 min).
+bench-wan: setup
+	$(PY) -m bench.wan $(BENCH_ARGS)
 
 clean:
 	rm -rf data scratch .pytest_cache .ruff_cache .hypothesis

@@ -447,6 +447,7 @@ def run_one(net: Net, stack: Stack, chain: Path, scratch: Path, name: str, mode:
     row.update({"mode": mode, "sync": sync, "links": links, "link_bps": rates, "profiles": names,
                 "window_s": round(window, 2), "step_s": round(step_s, 3),
                 "registry_egress_bytes": egress, "registry_bytes_served": pub["bytes_served"],
+                "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
                 "workers": results if args.keep_raw else None})
     print(json.dumps({k: v for k, v in row.items() if k != "workers"}), flush=True)
     return row
@@ -485,6 +486,9 @@ def main() -> None:
             return
     if os.geteuid() != 0:
         sys.exit("bench.wan needs root (network namespaces and tc)")
+    # A TERM (or HUP) unwinds like Ctrl-C, so the namespaces and processes are always removed.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
     if args.relay:
         from bench.wan_relay import main as relay_main
 
