@@ -99,12 +99,23 @@ class Holdings:
         return data
 
 
+RELAY_PATH = "/v1/relay/{run}/piece"
+
+
 def relay_app(holdings: Holdings, wait_s: float = 5.0) -> Any:
-    """The peer endpoint: a small ASGI app (mounted by a worker, or served on its own)."""
+    """The peer endpoint as a small ASGI app of its own (a rollout service adds relay_endpoint
+    to its app instead)."""
     from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    return Starlette(routes=[Route(RELAY_PATH, relay_endpoint(holdings, wait_s))])
+
+
+def relay_endpoint(holdings: Holdings, wait_s: float = 5.0) -> Any:
+    """GET RELAY_PATH?key=&index=: a verified piece (200), 404 if not held here within wait_s,
+    416 for an index outside the object, 422 for a malformed index."""
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response
-    from starlette.routing import Route
 
     async def piece(request: Request) -> Response:
         run, key = request.path_params["run"], request.query_params.get("key", "")
@@ -119,7 +130,7 @@ def relay_app(holdings: Holdings, wait_s: float = 5.0) -> Any:
             return JSONResponse({"detail": f"piece {index} of {key!r} is not held here"}, status_code=404)
         return Response(data, media_type="application/octet-stream")
 
-    return Starlette(routes=[Route("/v1/relay/{run}/piece", piece)])
+    return piece
 
 
 # --- fetching through peers ----------------------------------------------------------------------

@@ -44,6 +44,7 @@ from shared.coord import Coordinator, connect
 from shared.health import HealthMetrics, Liveness
 from shared.http import PROMETHEUS_TEXT, error_responses, install_error_handling
 from shared.registry_client import RegistryClient
+from shared.relay import RELAY_PATH, Holdings, Relay, relay_endpoint
 from shared.retry import Outage, transient
 from shared.schemas import one_line_error
 
@@ -93,6 +94,7 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
     state: dict = {"core": core, "sync": None, "worker": None, "waiting": None, "redis": None}
     liveness = Liveness()
     outages = {"redis": Outage("redis", log), "registry": Outage("registry", log)}
+    holdings = Holdings()
     health_metrics = HealthMetrics(metrics.registry, "rollout")
 
     @contextlib.asynccontextmanager
@@ -104,7 +106,9 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
             bps = settings.sync_bandwidth_mbps * 1e6 if settings.sync_bandwidth_mbps else None
             client = RegistryClient(settings.registry_url, settings.run, streams=settings.sync_streams,
                                     bandwidth_bps=bps, redis_url=settings.redis_url or None,
-                                    redis_prefix=settings.redis_prefix)
+                                    redis_prefix=settings.redis_prefix, token=settings.registry_token or None)
+            if settings.relay:
+                client.relay = Relay(settings.worker_id, settings.advertise_url, holdings)
         if settings.redis_url:
             state["redis"] = connect(settings.redis_url)
         first_try = asyncio.Event()
@@ -163,6 +167,8 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
                 with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
                     await asyncio.wait_for(task, timeout=30)
             if client is not None:
+                if client.relay is not None:
+                    await client.relay.aclose()
                 await client.aclose()
             if state["redis"] is not None:
                 await state["redis"].aclose()
@@ -170,6 +176,8 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
     app = FastAPI(title="sparsecast rollout", version="0.1.0", lifespan=lifespan, responses=error_responses(422),
                   description="Sparse-KV generation, an OpenAI completions subset, live weight sync.")
     install_error_handling(app)
+    if settings.relay:  # peers fetch the pieces this worker verified (shared.relay)
+        app.add_route(RELAY_PATH, relay_endpoint(holdings), methods=["GET"], include_in_schema=False)
     bearer = HTTPBearer(auto_error=False)
     generation = error_responses(400, 401, 413, 503)
 

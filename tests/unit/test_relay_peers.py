@@ -53,3 +53,26 @@ def test_announcements_expire_and_leave_removes() -> None:
     assert peers.holders("r", KEY) == ["http://b"]
     assert peers.leave("r", "b") and not peers.leave("r", "b")
     assert peers.holders("r", KEY) == []
+
+
+def test_rollout_relay_settings_and_route() -> None:
+    """A rollout worker with relay on needs the addresses peers and the registry use, and serves
+    the peer endpoint (nothing held yet: 404)."""
+    import pytest
+    from fastapi.testclient import TestClient
+    from pydantic import ValidationError
+
+    from services.rollout.app import create_app
+    from services.rollout.settings import RolloutSettings
+
+    with pytest.raises(ValidationError, match="relay needs"):
+        RolloutSettings(relay=True, registry_url="http://r:8100")
+    settings = RolloutSettings(relay=True, registry_url="http://r:8100", advertise_url="http://w:8200",
+                               registry_token="t")
+    http = TestClient(create_app(settings))  # no lifespan: no model, only the routes
+    answer = http.get("/v1/relay/run1/piece", params={"key": "patches/0-1.patch", "index": 0})
+    assert answer.status_code == 404 and "not held" in answer.json()["detail"]
+    assert http.get("/v1/relay/run1/piece", params={"key": "k", "index": "x"}).status_code == 422
+    plain = TestClient(create_app(RolloutSettings()))
+    missing = plain.get("/v1/relay/run1/piece", params={"key": "k", "index": 0})
+    assert missing.status_code == 404 and "not held" not in missing.text  # no relay route at all
