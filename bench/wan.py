@@ -562,19 +562,29 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in result["runs"] if not r["links"].startswith("unthrottled")]
+    if not rows:
+        return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
     labels = [r["name"] for r in rows]
-    ax1.barh(labels, [r["vs_unthrottled"] or 0 for r in rows],
-             color=["tab:red" if r["mode"] == "full" else "tab:blue" if r["sync"] == "overlap" else "tab:gray"
-                    for r in rows])
+    y = list(range(len(rows)))
+    colors = ["tab:red" if r["mode"] == "full" else "tab:blue" if r["sync"] == "overlap" else "tab:gray" for r in rows]
+    ax1.barh([i - 0.2 for i in y], [r["vs_unthrottled"] or 0 for r in rows], height=0.4, color=colors,
+             label="÷ unthrottled run of the same arm (this box)")
+    ax1.barh([i + 0.2 for i in y], [r["vs_ideal"] for r in rows], height=0.4, color=colors, alpha=0.45,
+             label="÷ the profile's tokens/s (no sync cost at all)")
+    ax1.set_yticks(y, labels)
     for x in (0.9, 0.95):
         ax1.axvline(x, color="k", ls=":", lw=0.8)
-    ax1.set_xlabel("rollout tokens/s ÷ unthrottled run of the same arm")
+    ax1.set_xlabel("rollout tokens/s ratio")
+    ax1.legend(fontsize=7, loc="lower left")
     ax1.invert_yaxis()
-    data = [[s for s in [r["sync_s"]["p50"], r["sync_s"]["p90"], r["sync_s"]["max"]] if s is not None] for r in rows]
-    ax2.boxplot(data, orientation="horizontal", tick_labels=labels)
+    # Every sync's download time when the raw records are kept, else the summary's quantiles.
+    data = [[s["download_s"] for w in r["workers"] for s in w["syncs"]] if r.get("workers") else
+            [s for s in (r["sync_s"]["p50"], r["sync_s"]["p90"], r["sync_s"]["max"]) if s is not None]
+            for r in rows]
+    ax2.boxplot([d or [0.0] for d in data], orientation="horizontal", tick_labels=labels)
     ax2.set_xscale("log")
-    ax2.set_xlabel("sync (download) seconds: p50 / p90 / max")
+    ax2.set_xlabel("sync (download) seconds per version, all workers")
     ax2.invert_yaxis()
     fig.suptitle(f"1.7B shape, generation timed from an H200 profile; {result['host']}")
     fig.tight_layout()
