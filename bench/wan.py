@@ -474,6 +474,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="run only arms whose name contains one of these")
     parser.add_argument("--relay", action="store_true", help="the relay fan-out measurement only")
     parser.add_argument("--keep-raw", action="store_true", help="keep every batch and sync in the JSON")
+    parser.add_argument("--resume", action="store_true", help="keep the runs already in --out, run the rest")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/wan-cpu.json")
     args = parser.parse_args()
     for role in ("worker", "publisher", "relay_worker"):
@@ -515,10 +516,15 @@ def main() -> None:
     }
     scratch = Path(tempfile.mkdtemp(prefix="wan-"))
     out: Path = args.out
+    if args.resume and out.exists():
+        rows.extend(json.loads(out.read_text())["runs"])
+    done = {r["name"] for r in rows}
     with Net(3) as net:
         stack = Stack(net, scratch)
         try:
             for index, (mode, sync, links) in enumerate([*baselines, *arms]):
+                if f"{mode}-{sync}-{links}" in done:
+                    continue
                 rows.append(run_one(net, stack, chain, scratch, f"{mode}-{sync}-{links}", mode, sync, links,
                                     args, profiles, index))
                 finish(result, rows)
