@@ -138,7 +138,7 @@ async def stream_verify(client: Any, ref: Any, streams: int) -> int:
 
 
 async def run_worker(cfg: dict[str, Any]) -> dict[str, Any]:
-    from shared.registry_client import RegistryClient
+    from shared.registry.client import RegistryClient
 
     batch, ms, gen = cfg["batch"], cfg["ms_per_step"], cfg["gen"]
     mode, overlap, bound, apply_s = cfg["mode"], cfg["sync"] == "overlap", cfg["staleness_bound"], cfg["apply_s"]
@@ -259,7 +259,7 @@ async def run_worker(cfg: dict[str, Any]) -> dict[str, Any]:
 async def run_publisher(cfg: dict[str, Any]) -> dict[str, Any]:
     import httpx
 
-    from shared.registry_client import RegistryClient
+    from shared.registry.client import RegistryClient
 
     client = RegistryClient(cfg["url"], RUN, token=TOKEN)
     while True:

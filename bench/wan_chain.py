@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from shared.patch import extract_patch, fingerprint, save_snapshot
-from shared.registry_client import Manifest, ObjectRef
+from shared.registry.wire import Manifest, ObjectRef
 
 MEASURED = "bench/results/patch-cuda-1.7b-h200.json"
 PIECE_BYTES = 4 << 20  # the registry's default piece size (RegistrySettings.piece_bytes)

@@ -34,18 +34,19 @@ WORKERS = 8
 async def relay_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     import uvicorn
 
-    from shared.registry_client import RegistryClient
+    from shared.registry.client import RegistryClient
     from shared.relay import Holdings, Relay, relay_app
 
     client = RegistryClient(cfg["url"], RUN, token=TOKEN, streams=4, redis_url=cfg["redis_url"],
                             redis_prefix=cfg["redis_prefix"], backoff_s=0.1)
-    server = None
+    server, relay = None, None
     if cfg["relay"]:
         holdings = Holdings(keep=2)  # this version's patch and the last: ~150 MB per worker here
         config = uvicorn.Config(relay_app(holdings), host=cfg["ip"], port=PEER_PORT, log_level="warning")
         server = uvicorn.Server(config)
         serving = asyncio.create_task(server.serve())
-        client.relay = Relay(f"w{cfg['index']}", f"http://{cfg['ip']}:{PEER_PORT}", holdings)
+        relay = Relay(f"w{cfg['index']}", f"http://{cfg['ip']}:{PEER_PORT}", holdings)
+        client.downloader.relay = relay
     while True:
         try:
             await client.ping()
@@ -62,16 +63,16 @@ async def relay_worker(cfg: dict[str, Any]) -> dict[str, Any]:
         started = time.time()
         status.write_text(json.dumps({"version": target, "started": started}))
         plan = await client.plan(version, target)
-        stats0 = dict(vars(client.relay.stats)) if client.relay else {}
+        stats0 = dict(vars(relay.stats)) if relay else {}
         views = await client.download([s.object for s in plan.steps])
         for view in views:
             view.release()
         row = {"version": target, "started": started, "finished": time.time(), "bytes": plan.total_bytes}
-        if client.relay:
-            stats = client.relay.stats
+        if relay:
+            stats = relay.stats
             row.update(peer_pieces=stats.peer_pieces - stats0["peer_pieces"],
                        registry_pieces=stats.registry_pieces - stats0["registry_pieces"],
-                       dropped=dict(stats.dropped), served_pieces=client.relay.holdings.served_pieces)
+                       dropped=dict(stats.dropped), served_pieces=relay.holdings.served_pieces)
         rounds.append(row)
         status.write_text(json.dumps({"version": target, "started": started, "done": row["finished"]}))
         version = target
@@ -81,7 +82,7 @@ async def relay_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     if server is not None:
         server.should_exit = True
         await serving
-        await client.relay.aclose()
+        await relay.aclose()
     await client.aclose()
     return {"worker": cfg["index"], "rounds": rounds}
 

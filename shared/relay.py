@@ -1,7 +1,7 @@
 """Relay fan-out: workers serve the pieces they verified to peers, and fetch from peers first.
 
 Every worker downloading from the registry makes the registry's uplink carry the whole payload
-once per worker. With a Relay on its client (`client.relay = Relay(...)`), a worker instead:
+once per worker. With a Relay on its client (`client.downloader.relay = Relay(...)`), a worker instead:
 
 1. announces to the registry the objects it holds or is fetching (`PUT /v1/runs/{run}/peers/{id}`,
    with the token); the answer lists, per object, up to a few peers that announced it earlier,
@@ -27,13 +27,13 @@ import re
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 from pydantic import BaseModel, Field
 
-if TYPE_CHECKING:
-    from shared.registry_client import RegistryClient, _Download
+from shared.registry.download import Downloader, _Download
+from shared.registry.errors import RegistryHTTPError
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class PeerFailed(Exception):
 
 
 class Relay:
-    """Peer-first fetching for one worker's RegistryClient (set `client.relay`)."""
+    """Peer-first fetching for one worker's downloads (set `client.downloader.relay`)."""
 
     def __init__(
         self,
@@ -187,39 +187,38 @@ class Relay:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def announce(self, client: RegistryClient) -> dict[str, list[str]]:
+    async def announce(self, downloader: Downloader) -> dict[str, list[str]]:
         """Tell the registry what this worker holds; returns peers to try per object."""
-        body = PeerAnnouncement(url=self.url, objects=self.holdings.keys(client.run)[-MAX_ANNOUNCED_OBJECTS:])
+        transport = downloader.transport
+        body = PeerAnnouncement(url=self.url, objects=self.holdings.keys(transport.run)[-MAX_ANNOUNCED_OBJECTS:])
 
         async def action() -> Any:
-            response = await client._http.put(client._path(f"peers/{self.worker_id}"),
-                                              content=body.model_dump_json(),
-                                              headers={"Content-Type": "application/json", **client._auth()})
-            client._raise_for(response)
+            response = await transport._http.put(transport._path(f"peers/{self.worker_id}"),
+                                                 content=body.model_dump_json(),
+                                                 headers={"Content-Type": "application/json", **transport._auth()})
+            transport._raise_for(response)
             return response.json()
 
-        return PeerList.model_validate(await client._retrying(action, "PUT peers")).peers
+        return PeerList.model_validate(await transport._retrying(action, "PUT peers")).peers
 
-    async def fetch(self, client: RegistryClient, downloads: list[_Download]) -> None:
+    async def fetch(self, downloader: Downloader, downloads: list[_Download]) -> None:
         """Fill `downloads` (every piece verified): from peers where the registry lists some,
         from the registry for the rest and for whatever a peer fails to deliver."""
-        from shared.registry_client import RegistryHTTPError
-
         for download in downloads:
-            self.holdings.add(client.run, download)
+            self.holdings.add(downloader.transport.run, download)
         try:
-            peers = await self.announce(client)
+            peers = await self.announce(downloader)
         except (httpx.HTTPError, RegistryHTTPError) as exc:
             log.warning("peer announcement failed (%s); fetching from the registry", exc)
             peers = {}
         direct = [d for d in downloads if not peers.get(d.ref.key)]
         relayed = [d for d in downloads if peers.get(d.ref.key)]
-        jobs = [self._fetch_relayed(client, d, list(peers[d.ref.key])) for d in relayed]
+        jobs = [self._fetch_relayed(downloader, d, list(peers[d.ref.key])) for d in relayed]
         if direct:
-            jobs.append(client.fetch_direct(direct))
+            jobs.append(downloader.fetch_direct(direct))
         await _all(jobs)
 
-    async def _fetch_relayed(self, client: RegistryClient, download: _Download, peers: list[str]) -> None:
+    async def _fetch_relayed(self, downloader: Downloader, download: _Download, peers: list[str]) -> None:
         pending = deque(i for i, done in enumerate(download.done) if not done)
         good = peers
 
@@ -235,26 +234,26 @@ class Relay:
                 while good:
                     peer = good[(i + k) % len(good)]
                     try:
-                        await self._from_peer(client, peer, download, i)
+                        await self._from_peer(downloader, peer, download, i)
                     except PeerFailed as exc:
                         drop(peer, exc.reason)
                         continue
-                    if await client._verify_piece(download, i, refetch=False):
+                    if await downloader._verify_piece(download, i, refetch=False):
                         self.stats.peer_pieces += 1
                         break
                     drop(peer, "wrong piece")
                 else:
-                    await client._receive(download, i, i + 1)
-                    await client._verify_piece(download, i)
+                    await downloader._receive(download, i, i + 1)
+                    await downloader._verify_piece(download, i)
                     self.stats.registry_pieces += 1
 
-        await _all([stream(k) for k in range(client.streams)])
+        await _all([stream(k) for k in range(downloader.transport.streams)])
 
-    async def _from_peer(self, client: RegistryClient, peer: str, download: _Download, i: int) -> None:
+    async def _from_peer(self, downloader: Downloader, peer: str, download: _Download, i: int) -> None:
         start, end = download.piece_range(i)
         try:
             async with asyncio.timeout(self.piece_timeout_s):
-                response = await self._http.get(f"{peer}/v1/relay/{client.run}/piece",
+                response = await self._http.get(f"{peer}/v1/relay/{downloader.transport.run}/piece",
                                                 params={"key": download.ref.key, "index": i})
         except TimeoutError as exc:
             raise PeerFailed("slow") from exc
@@ -265,4 +264,4 @@ class Relay:
         if len(response.content) != end - start:
             raise PeerFailed("wrong length")
         download.buffer[start:end] = response.content
-        client.counters.bytes += end - start
+        downloader.transport.counters.bytes += end - start

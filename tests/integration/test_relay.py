@@ -13,7 +13,9 @@ import pytest
 
 from services.registry.app import create_app
 from services.registry.settings import RegistrySettings
-from shared.registry_client import RegistryClient, _Download
+from shared.registry.client import RegistryClient
+from shared.registry.download import _Download
+from shared.registry.sync import sync_weights
 from shared.relay import Holdings, Relay, relay_app
 from tests.conftest import free_port, serve_app
 from tests.integration.registry_helpers import TOKEN, Chain, clone, make_chain, same
@@ -55,11 +57,11 @@ async def worker(url: str, name: str, stack: ExitStack, **relay_options: float) 
     holdings = Holdings()
     peer_url = stack.enter_context(serve_app(relay_app(holdings, wait_s=0.5)))
     async with RegistryClient(url, RUN, token=TOKEN, streams=3) as client:
-        client.relay = Relay(name, peer_url, holdings, **relay_options)
+        client.downloader.relay = Relay(name, peer_url, holdings, **relay_options)
         try:
             yield client
         finally:
-            await client.relay.aclose()
+            await client.downloader.relay.aclose()
 
 
 async def served(url: str) -> float:
@@ -81,19 +83,19 @@ async def test_second_worker_fetches_every_piece_from_the_first(url: str, chain:
     pieces = -(-len(chain.patches[1]) // 4096)
     async with worker(url, "a", peers) as a, worker(url, "b", peers) as b:
         state_a = clone(chain.states[0])
-        assert (await a.sync_to(state_a, 0, target=1)).version == 1 and same(state_a, chain.states[1])
-        assert a.relay.stats.peer_pieces == 0  # nobody held it: straight from the registry
+        assert (await sync_weights(a, state_a, 0, target=1)).version == 1 and same(state_a, chain.states[1])
+        assert a.downloader.relay.stats.peer_pieces == 0  # nobody held it: straight from the registry
         before = await served(url)
         state_b = clone(chain.states[0])
-        await b.sync_to(state_b, 0, target=1)
+        await sync_weights(b, state_b, 0, target=1)
         assert same(state_b, chain.states[1])
-        assert (b.relay.stats.peer_pieces, b.relay.stats.registry_pieces) == (pieces, 0)
+        assert (b.downloader.relay.stats.peer_pieces, b.downloader.relay.stats.registry_pieces) == (pieces, 0)
         assert await served(url) == before  # the registry sent none of the patch's bytes again
-        assert a.relay.holdings.served_pieces == pieces
+        assert a.downloader.relay.holdings.served_pieces == pieces
         # The plan lists the holders of each object, never the asker.
         async with httpx.AsyncClient() as http:
             plan = (await http.get(f"{url}/v1/runs/{RUN}/plan", params={"from": 0, "to": 1, "peer": "b"})).json()
-        assert plan["peers"] == {key: [a.relay.url]}
+        assert plan["peers"] == {key: [a.downloader.relay.url]}
 
 
 async def test_a_lying_peer_is_dropped_and_the_registry_serves(url: str, chain: Chain, peers: ExitStack) -> None:
@@ -109,10 +111,10 @@ async def test_a_lying_peer_is_dropped_and_the_registry_serves(url: str, chain: 
     await announce(url, "liar", liar_url, [ref.key])
     async with worker(url, "c", peers) as c:
         state = clone(chain.states[1])
-        result = await c.sync_to(state, 1, target=2)
+        result = await sync_weights(c, state, 1, target=2)
         assert result.version == 2 and not result.fell_back and same(state, chain.states[2])
-        assert c.relay.stats.dropped == {"wrong piece": 1}
-        assert c.relay.stats.registry_pieces == len(ref.pieces)
+        assert c.downloader.relay.stats.dropped == {"wrong piece": 1}
+        assert c.downloader.relay.stats.registry_pieces == len(ref.pieces)
 
 
 async def test_dead_slow_and_behind_peers_cost_a_retry(url: str, chain: Chain, peers: ExitStack) -> None:
@@ -122,18 +124,18 @@ async def test_dead_slow_and_behind_peers_cost_a_retry(url: str, chain: Chain, p
     await announce(url, "dead", f"http://127.0.0.1:{free_port()}", [key])
     async with worker(url, "d", peers) as d:
         state = clone(chain.states[2])
-        await d.sync_to(state, 2, target=3)
-        assert same(state, chain.states[3]) and list(d.relay.stats.dropped) == ["unreachable: ConnectError"]
+        await sync_weights(d, state, 2, target=3)
+        assert same(state, chain.states[3]) and list(d.downloader.relay.stats.dropped) == ["unreachable: ConnectError"]
 
     # Behind on versions: it announced the object but holds only older ones, so it answers 404.
     async with worker(url, "behind", peers) as behind:
-        await behind.sync_to(clone(chain.states[0]), 0, target=1)  # holds 0-1 only
-        await announce(url, "behind", behind.relay.url, [key])
+        await sync_weights(behind, clone(chain.states[0]), 0, target=1)  # holds 0-1 only
+        await announce(url, "behind", behind.downloader.relay.url, [key])
     async with worker(url, "e", peers) as e:
         state = clone(chain.states[2])
-        await e.sync_to(state, 2, target=3)
+        await sync_weights(e, state, 2, target=3)
         assert same(state, chain.states[3])
-        assert "answered 404" in e.relay.stats.dropped
+        assert "answered 404" in e.downloader.relay.stats.dropped
 
     # Slow: answers nothing within piece_timeout_s.
     from starlette.applications import Starlette
@@ -148,8 +150,8 @@ async def test_dead_slow_and_behind_peers_cost_a_retry(url: str, chain: Chain, p
     await announce(url, "slow", slow_url, ["patches/1-2.patch"])
     async with worker(url, "f", peers, piece_timeout_s=0.3) as f:
         state = clone(chain.states[1])
-        await f.sync_to(state, 1, target=2)
-        assert same(state, chain.states[2]) and f.relay.stats.dropped.get("slow") == 1
+        await sync_weights(f, state, 1, target=2)
+        assert same(state, chain.states[2]) and f.downloader.relay.stats.dropped.get("slow") == 1
 
 
 async def test_announcements_need_the_token_and_valid_keys(url: str) -> None:
