@@ -538,8 +538,29 @@ def main() -> None:
     shutil.rmtree(scratch, ignore_errors=True)
 
 
+def published_staleness(row: dict[str, Any], profiles: dict[str, Any]) -> dict[str, Any]:
+    """Per batch, when its trajectories reach the trainer (the batch's end): versions the trainer
+    has published by then minus the version the batch ran with. `staleness` counts only the
+    versions the worker had heard of when the batch started."""
+    times = sorted(float(t) for t in row["published_at"].values())
+    lags, weights = [], []
+    for w in row["workers"]:
+        p = profiles[w["profile"]]
+        for b in w["batches"]:
+            end = b["start"] + b["tokens"] / p["batch"] * p["ms_per_step"] / 1000
+            lags.append(sum(t <= end for t in times) - b["version"])
+            weights.append(b["tokens"])
+    total = sum(weights) or 1
+    return {"token_weighted_mean": round(sum(lag * n for lag, n in zip(lags, weights, strict=True)) / total, 3),
+            "max": max(lags, default=None),
+            "histogram": {str(k): lags.count(k) for k in sorted(set(lags))}}
+
+
 def finish(result: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     """Ratios to the unthrottled run of the same arm, and the targets."""
+    for r in rows:
+        if r.get("workers"):
+            r["staleness_at_trainer"] = published_staleness(r, result["profiles"])
     base = {(r["mode"], r["sync"], r["links"]): r for r in rows if r["links"].startswith("unthrottled")}
     for r in rows:
         links = r["links"] if r["links"].startswith("unthrottled") else baseline_links(r["links"])
