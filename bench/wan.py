@@ -225,7 +225,9 @@ async def run_worker(cfg: dict[str, Any]) -> dict[str, Any]:
                     changed.clear()
                     await asyncio.wait_for(changed.wait(), timeout=max(0.01, end - time.time()))
             elif latest > version:
-                record = await fetch(version, latest)
+                # A download that cannot end inside the window (full weights on a slow link)
+                # stalls the worker to the end of it.
+                record = await asyncio.wait_for(fetch(version, latest), timeout=max(0.01, end - time.time()))
                 syncs.append(record)
                 await apply(record)
             if time.time() > stall0 + 1e-3:
