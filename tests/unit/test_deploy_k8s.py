@@ -1,5 +1,6 @@
 """Kubernetes: kustomize overlays rendered by kubectl and validated against the API schemas, the
-Helm chart's values against values.schema.json, and `helm lint`/`helm template` where helm exists.
+Helm chart's values against values.schema.json, and Helm's lint and template run through Helm's own
+library (helm-python-sdk, a dev dependency: no helm binary needed).
 
 The same semantic checks run on every rendering: probes on the health endpoints, ports that agree
 with SPARSECAST_PORT, references to ConfigMaps/Secrets/keys that exist, GPU resources for GPU
@@ -16,6 +17,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import helm_python
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -44,10 +46,38 @@ def _render_overlay(overlay: str) -> str:
     return rendered.stdout
 
 
-def helm(*args: str) -> subprocess.CompletedProcess[str]:
-    if shutil.which("helm") is None:
-        pytest.skip("helm is not installed")
-    return subprocess.run(["helm", *args], capture_output=True, text=True, timeout=120)
+def chart_values(*files: str, overrides: dict | None = None) -> dict:
+    """What `-f FILE ... --set ...` would pass: the user-supplied values only (Helm merges the
+    chart's defaults itself)."""
+    values: dict = {}
+    for name in files:
+        deep_merge(values, yaml.safe_load((CHART / name).read_text()))
+    deep_merge(values, copy.deepcopy(overrides or {}))
+    return values
+
+
+def helm_lint(values: dict) -> list[str]:
+    """`helm lint --strict`: every finding (warnings count, info does not) as text."""
+    report = helm_python.lint(CHART, values, strict=True, namespace="sparsecast", kube_version=f"v{K8S_VERSION}")
+    return report["errors"] + [f"{m['path']}: {m['error']}" for m in report["messages"] if m["severity"] >= 2]
+
+
+def helm_template(*files: str, overrides: dict | None = None, hooks: bool = False) -> list[dict]:
+    """`helm template demo CHART -n sparsecast -f FILE...` through Helm's own library
+    (helm-python-sdk); `hooks`: keep hook objects such as the `helm test` pod."""
+    with helm_python.Chart.load(CHART) as chart:
+        rendered = chart.render(chart_values(*files, overrides=overrides), name="demo",
+                                namespace="sparsecast", is_install=True)
+    docs = [doc for path, text in sorted(rendered.items()) if path.endswith(".yaml")
+            for doc in yaml.safe_load_all(text) if doc]
+    return docs if hooks else [d for d in docs if "helm.sh/hook" not in d["metadata"].get("annotations", {})]
+
+
+def helm_notes(*files: str, overrides: dict | None = None) -> str:
+    with helm_python.Chart.load(CHART) as chart:
+        rendered = chart.render(chart_values(*files, overrides=overrides), name="demo",
+                                namespace="sparsecast", is_install=True)
+    return rendered["sparsecast/templates/NOTES.txt"]
 
 
 def load_values(*overrides: str) -> dict:
@@ -247,27 +277,28 @@ def test_chart_renders_both_images_and_every_service() -> None:
 
 
 @pytest.mark.parametrize("values_file", [None, "values-gpu.yaml"], ids=["default", "values_gpu"])
-def test_helm_lint_and_template(values_file: str | None, tmp_path: Path) -> None:
-    extra = ["-f", str(CHART / values_file)] if values_file else []
-    linted = helm("lint", "--strict", str(CHART), *extra)
-    assert linted.returncode == 0, linted.stdout + linted.stderr
-    rendered = helm("template", "demo", str(CHART), "--namespace", "sparsecast", *extra)
-    assert rendered.returncode == 0, rendered.stderr
-    docs = [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
-    # The `helm test` pod is a hook, not part of the stack.
-    docs = [d for d in docs if "helm.sh/hook" not in d["metadata"].get("annotations", {})]
-    check_manifests(docs, gpu=values_file is not None)
+def test_helm_lint_and_template(values_file: str | None) -> None:
+    files = (values_file,) if values_file else ()
+    assert helm_lint(chart_values(*files)) == []
+    # Every rendered object, the `helm test` hook included, passes strict API validation.
+    for doc in helm_template(*files, hooks=True):
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    check_manifests(helm_template(*files), gpu=values_file is not None)
+
+
+def test_helm_lint_reports_a_broken_values_file() -> None:
+    # The lint is real: values the schema refuses are findings.
+    assert helm_lint(chart_values(overrides={"rollout": {"engine": "tgi"}}))
 
 
 def test_helm_template_with_external_redis_and_s3() -> None:
-    rendered = helm(
-        "template", "demo", str(CHART),
-        "--set", "redis.bundled=false", "--set", "redis.url=redis://redis.example:6379/0",
-        "--set", "minio.bundled=false", "--set", "store.url=s3://bucket/runs",
-        "--set", "store.s3.endpoint=https://s3.example",
-    )
-    assert rendered.returncode == 0, rendered.stderr
-    docs = [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
+    docs = helm_template(overrides={
+        "redis": {"bundled": False, "url": "redis://redis.example:6379/0"},
+        "minio": {"bundled": False},
+        "store": {"url": "s3://bucket/runs", "s3": {"endpoint": "https://s3.example"}},
+    })
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     names = {doc["metadata"]["name"] for doc in docs}
     assert not any(name.endswith(("-redis", "-minio")) for name in names)
     config = next(doc for doc in docs if doc["kind"] == "ConfigMap")
@@ -297,14 +328,6 @@ def test_kustomize_redis_keeps_an_aof_on_a_volume(overlay: str) -> None:
 
 
 def test_helm_redis_keeps_an_aof_on_a_volume() -> None:
-    rendered = helm("template", "demo", str(CHART), "--namespace", "sparsecast")
-    assert rendered.returncode == 0, rendered.stderr
-    check_redis_persists([doc for doc in yaml.safe_load_all(rendered.stdout) if doc])
+    check_redis_persists(helm_template())
 
 
-def test_chart_redis_template_mounts_its_claim() -> None:
-    # Without helm on the machine: the template reads the persistence values and names its claim.
-    text = (CHART / "templates" / "redis.yaml").read_text()
-    assert '"--appendonly", "yes"' in text and "kind: PersistentVolumeClaim" in text
-    assert text.count('{{ include "sparsecast.fullname" . }}-redis') >= 3  # deployment, claim ref, claim
-    assert load_values()["redis"]["persistence"]["enabled"] is True
