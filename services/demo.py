@@ -35,9 +35,10 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from services.cli import human_bytes, num, pct, step_summary, workers_table
+from shared.schemas import DEFAULT_RUN
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-RUN = "demo"
+RUN = DEFAULT_RUN
 TASK = "addition"
 READY_TIMEOUT_S = 300.0  # a cold start imports torch in four processes on two cores at once
 STOP_GRACE_S = 20.0

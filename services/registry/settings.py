@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.schemas import DEFAULT_RUN
 from shared.storage import S3Options
 
 
@@ -26,7 +27,7 @@ class RegistrySettings(BaseSettings):
     redis_url: str | None = None
     redis_prefix: str = "sparsecast"
     # Run served by default (e.g. the CLI's); the HTTP API serves any run named in the path.
-    run: str = "default"
+    run: str = DEFAULT_RUN
     # The registry materializes a full snapshot every N versions (grail/PULSE keep a full
     # checkpoint every 10 versions, REFERENCE §2); 0 turns that off (trainer uploads only).
     snapshot_every: int = Field(default=10, ge=0)

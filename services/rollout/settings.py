@@ -10,6 +10,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.coord import CoordSettings
+from shared.schemas import DEFAULT_RUN
 
 
 class RolloutSettings(BaseSettings):
@@ -42,7 +43,7 @@ class RolloutSettings(BaseSettings):
 
     # Weight sync (on when registry_url is set).
     registry_url: str = ""
-    run: str = "default"
+    run: str = DEFAULT_RUN
     sync_streams: int = Field(default=4, ge=1)
     sync_bandwidth_mbps: float | None = Field(default=None, gt=0, description="emulate a slow link")
     sync_poll_s: float = Field(default=2.0, gt=0)

@@ -8,6 +8,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.trainer.loss import LossConfig
 from shared.coord import CoordSettings
+from shared.schemas import DEFAULT_RUN
 
 
 class TrainerSettings(BaseSettings):
@@ -21,7 +22,7 @@ class TrainerSettings(BaseSettings):
     warmstart_cache: str = ".cache/warmstart"
     device: str = "auto"  # cpu | cuda | cuda:N | auto
     data_dir: str = "./data/trainer"  # checkpoints, metrics.jsonl, the warm-start cache
-    run: str = "default"
+    run: str = DEFAULT_RUN
     # Bearer token for writes (prompts, pause/resume, checkpoint) and for publishing to the
     # registry. Empty: a random token is made at startup and written to <data_dir>/api-token
     # (on a loopback bind only: off loopback the service refuses to start without this setting).

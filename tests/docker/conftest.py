@@ -180,12 +180,15 @@ def compose_stack(docker_engine: None, torch_index_url: str | None) -> Iterator[
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "SPARSECAST_"))}
     if torch_index_url:
         env["SPARSECAST_CI_TORCH_INDEX_URL"] = torch_index_url
+    # Six of the demo's steps (16 groups each), then the trainer waits: the head stands still, so
+    # "every worker serves the head" is a state the test can observe.
+    env["SPARSECAST_DEMO_PROMPTS"] = str(6 * 16)
     project = ComposeProject(env)
     # registry, trainer, rollout and demo-submit share one image tag: building it once is enough
     # (`compose build` would build it four times in parallel), and `up` then finds it.
     project.run("build", "registry", timeout=1800)
     built = subprocess.run(
-        ["docker", "build", "-q", "--network", "host", "-t", STANDINS_IMAGE,
+        ["docker", "build", "-q", "--force-rm", "--network", "host", "-t", STANDINS_IMAGE,
          "-f", str(OVERRIDE.parent / "Dockerfile.standins"), str(OVERRIDE.parent)],
         capture_output=True, text=True, timeout=900,
     )
