@@ -18,6 +18,7 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -188,7 +189,8 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
             await client.aclose()
             await redis.aclose()
 
-    app = FastAPI(title="sparsecast trainer", version="0.1.0", lifespan=lifespan, responses=error_responses(422),
+    # /docs and /redoc with their scripts served by the app itself (no CDN: they work offline).
+    app = FastAPIOffline(title="sparsecast trainer", version="0.1.0", lifespan=lifespan, responses=error_responses(422),
                   description="GRPO with Sparse-RL corrections; a sparse weight patch published every step.")
     install_error_handling(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
