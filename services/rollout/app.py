@@ -169,8 +169,9 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
                 await state["redis"].aclose()
 
     # /docs and /redoc with their scripts served by the app itself (no CDN: they work offline).
-    app = FastAPIOffline(title="sparsecast rollout", version="0.1.0", lifespan=lifespan, responses=error_responses(422),
-                  description="Sparse-KV generation, an OpenAI completions subset, live weight sync.")
+    app = FastAPIOffline(title="sparsecast rollout", version="0.1.0", lifespan=lifespan,
+                         responses=error_responses(422),
+                         description="Sparse-KV generation, an OpenAI completions subset, live weight sync.")
     install_error_handling(app)
     bearer = HTTPBearer(auto_error=False)
     generation = error_responses(400, 401, 413, 503)

@@ -4,10 +4,12 @@ and the dashboard. Thin layer over services.trainer.core.Trainer."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
 import secrets
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -42,6 +44,10 @@ MAX_PROMPTS_PER_REQUEST = 10_000
 REGISTRY_RETRIES = 1
 # How long /readyz waits for Redis and the registry to answer.
 PROBE_TIMEOUT_S = 2.0
+# Worker throughput is sampled by the server (not by whoever has the dashboard open): every
+# THROUGHPUT_EVERY_S seconds, the last THROUGHPUT_SAMPLES kept (one hour).
+THROUGHPUT_EVERY_S = 5.0
+THROUGHPUT_SAMPLES = 720
 
 
 class PromptIn(BaseModel):
@@ -152,6 +158,7 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
         "redis_data_losses": "Times Redis was found without the run's data",
     }.items()}
     health = TrainerHealth()
+    throughput: collections.deque[dict] = collections.deque(maxlen=THROUGHPUT_SAMPLES)
     health_metrics = HealthMetrics(registry, "trainer")
     staleness_gauge = Gauge("trainer_staleness_groups", "Groups of the last batch by version lag", ["lag"],
                             registry=registry)
@@ -178,20 +185,32 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
                 log.exception("trainer stopped")
                 raise  # the loop is dead: /healthz says so, and the orchestrator restarts us
 
+        async def sample_throughput() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(Exception):  # Redis down: a gap in the history, no error
+                    workers = await coord.workers()
+                    throughput.append({"time": time.time(),
+                                       "workers": {w.worker_id: w.tokens_per_s for w in workers}})
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), THROUGHPUT_EVERY_S)
+
         task = asyncio.create_task(boot())
+        sampler = asyncio.create_task(sample_throughput())
         health.liveness.watch(LOOP, task, settings.stall_s, may_finish=True)
         try:
             yield
         finally:
             stop.set()
+            sampler.cancel()
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
                 await asyncio.wait_for(task, timeout=60)
             await client.aclose()
             await redis.aclose()
 
     # /docs and /redoc with their scripts served by the app itself (no CDN: they work offline).
-    app = FastAPIOffline(title="sparsecast trainer", version="0.1.0", lifespan=lifespan, responses=error_responses(422),
-                  description="GRPO with Sparse-RL corrections; a sparse weight patch published every step.")
+    app = FastAPIOffline(title="sparsecast trainer", version="0.1.0", lifespan=lifespan,
+                         responses=error_responses(422),
+                         description="GRPO with Sparse-RL corrections; a sparse weight patch published every step.")
     install_error_handling(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     bearer = HTTPBearer(auto_error=False)
@@ -288,8 +307,13 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
         stats: dict | None = None
         workers: list = []
         redis_error = None
+        held: dict[str, int] = {}
         try:
-            stats, workers = await asyncio.gather(coord.stats(), coord.workers())
+            stats, workers, table = await asyncio.gather(coord.stats(), coord.workers(), coord.leases(1000))
+            # Leases each worker holds now, from the same table as the queue's count: the two agree.
+            for row in table:
+                if row["expires_in_s"] > 0:
+                    held[row["holder"]] = held.get(row["holder"], 0) + 1
         except Exception as exc:  # noqa: BLE001 - status reports a broken dependency, it does not fail
             redis_error = f"{type(exc).__name__}: {exc}"
         return {
@@ -301,7 +325,7 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
             "version": trainer.version if trainer else None,
             "max_steps": settings.max_steps,
             "queue": stats,
-            "workers": [w.model_dump() for w in workers],
+            "workers": [w.model_dump() | {"leases_held": held.get(w.worker_id, 0)} for w in workers],
             "redis_error": redis_error,
             "dependencies": {"redis": health.redis.state(), "registry": health.registry.state()},
             "faults": {
@@ -334,6 +358,26 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
         trainer = state["trainer"]
         rows = trainer.history if trainer else []
         return {"history": [r for r in rows if r.get("step", 0) > since]}
+
+    @app.get("/v1/metrics/throughput")
+    async def throughput_history(since: float = Query(0.0, ge=0, description="samples after this Unix time")) -> dict:
+        """Each rollout worker's tokens/s as the server sampled it every `interval_s` (last hour)."""
+        return {"interval_s": THROUGHPUT_EVERY_S, "samples": [r for r in throughput if r["time"] > since]}
+
+    @app.get("/v1/leases", responses=error_responses(503))
+    async def leases(limit: int = Query(100, ge=1, le=1000, description="rows of each list")) -> dict:
+        """Leases held now (holder, seconds to expiry, reclaims; expired or released ones wait for
+        the next claim) and the dead letters with their reasons."""
+        coord: Coordinator = state["coord"]
+        try:
+            held, dead = await asyncio.gather(coord.leases(limit), coord.dead_letters(limit))
+        except Exception as exc:
+            if not transient(exc):
+                raise
+            raise HTTPException(503, f"Redis is unreachable: {exc}") from exc
+        return {"lease_ttl_s": settings.coord.lease_ttl_s, "leases": held, "dead_letters": [
+            {k: d.get(k) for k in ("entry_id", "group_id", "worker_id", "attempts", "reason")}
+            | {"time": int(d["id"].split("-")[0]) / 1000} for d in dead]}
 
     @app.post("/v1/train/pause", dependencies=[Depends(authorize)], responses=controls)
     async def pause(trainer: Trainer = Depends(get_trainer)) -> dict:
