@@ -9,7 +9,8 @@ DEMO_STAMP := $(VENV)/.installed-demo
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow test-fast test-docker lint demo bench bench-patch bench-registry bench-queue bench-engine bench-learning clean
+.PHONY: setup test test-slow test-fast test-docker lint demo \
+	bench bench-patch bench-registry bench-queue bench-engine bench-learning clean
 
 setup: $(STAMP)
 

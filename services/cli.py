@@ -28,8 +28,8 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Where a stack's token lives, for the 401 message.
 TOKEN_HELP = ("pass --token or set SPARSECAST_API_TOKEN to the token the services run with: "
-              "deploy/env/sparsecast.env (or sparsecast.local.env) under docker compose; the release's Secret "
-              "under Helm (kubectl get secret RELEASE-sparsecast-secrets -o jsonpath="
+              "deploy/env/sparsecast.env (or sparsecast.local.env) under docker compose; "
+              "the release's Secret under Helm (kubectl get secret RELEASE-sparsecast-secrets -o jsonpath="
               "'{.data.SPARSECAST_API_TOKEN}' | base64 -d); the one `sparsecast demo` prints")
 
 console = Console(highlight=False)
@@ -69,7 +69,8 @@ class Service:
             if response.status_code == 401:
                 hint = ("; no token was sent: " if "Authorization" not in self.client.headers
                         else "; the token was refused: ") + TOKEN_HELP
-            raise CLIError(f"the {self.name} answered {response.status_code} to {method} {path}: {detail}{hint}")
+            raise CLIError(f"the {self.name} answered {response.status_code} to {method} {path}: "
+                           f"{detail}{hint}")
         try:
             return response.json()
         except ValueError as exc:
@@ -118,7 +119,8 @@ def workers_table(workers: list[dict[str, Any]], trainer_version: int | None) ->
     """Fits 80 columns: short headers, and the url column only when some worker advertises one."""
     with_url = any(w.get("url") for w in workers)
     table = Table(title="rollout workers", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for column in ("worker", "engine", "KV", "ver", "lag", "leases", "tok/s", "Mbit/s") + (("url",) if with_url else ()):
+    columns = ("worker", "engine", "KV", "ver", "lag", "leases", "tok/s", "Mbit/s") + (("url",) if with_url else ())
+    for column in columns:
         table.add_column(column, justify="left" if column in ("worker", "engine", "KV", "url") else "right",
                          overflow="fold")
     now = time.time()
@@ -227,12 +229,14 @@ def cmd_versions(args: argparse.Namespace) -> int:
 
 def cmd_control(args: argparse.Namespace) -> int:
     """pause, resume, checkpoint: the trainer's control calls (they need the token)."""
-    path = {"pause": "/v1/train/pause", "resume": "/v1/train/resume", "checkpoint": "/v1/checkpoint"}[args.command]
+    paths = {"pause": "/v1/train/pause", "resume": "/v1/train/resume", "checkpoint": "/v1/checkpoint"}
+    path = paths[args.command]
     result = trainer(args).request("POST", path)
     if args.json:
         print_json(result)
     elif args.command == "checkpoint":
-        console.print(f"checkpoint of step {result['step']} (v{result['version']}) written to {result['path']}")
+        console.print(f"checkpoint of step {result['step']} (v{result['version']}) "
+                      f"written to {result['path']}")
     else:
         console.print(f"training {'paused' if result['paused'] else 'resumed'} at step {result['step']}")
     return EXIT_OK
@@ -451,11 +455,13 @@ def build_parser() -> argparse.ArgumentParser:
                                          "and lag behind the trainer, leases held, tokens/s, download speed.")
     workers.set_defaults(func=cmd_workers)
 
-    for name, summary in (("pause", "pause training after the current step (needs the token)"),
-                          ("resume", "resume paused training (needs the token)"),
-                          ("checkpoint", "write a checkpoint now, once the last version is published (needs the token)")):
-        control = sub.add_parser(name, parents=[connection, output], help=summary, description=summary[0].upper()
-                                 + summary[1:] + ".")
+    for name, summary in (
+        ("pause", "pause training after the current step (needs the token)"),
+        ("resume", "resume paused training (needs the token)"),
+        ("checkpoint", "write a checkpoint now, once the last version is published (needs the token)"),
+    ):
+        control = sub.add_parser(name, parents=[connection, output], help=summary,
+                                 description=summary[0].upper() + summary[1:] + ".")
         control.set_defaults(func=cmd_control)
     tasks = sub.add_parser("tasks", parents=[connection, output], help="the trainer's reward tasks",
                            description="List the tasks the trainer can reward, and its default one.")

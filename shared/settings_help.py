@@ -52,8 +52,14 @@ def settings_rows(settings_cls: type[BaseSettings]) -> Iterator[tuple[str, str, 
 def settings_help(prog: str, summary: str, settings_cls: type[BaseSettings]) -> str:
     rows = list(settings_rows(settings_cls))
     width = max(len(r[0]) for r in rows)
-    lines = [f"usage: {prog}", "", summary.strip(), "",
-             "Takes no arguments: every setting is an environment variable (defaults below).", ""]
+    lines = [
+        f"usage: {prog}",
+        "",
+        summary.strip(),
+        "",
+        "Takes no arguments: every setting is an environment variable (defaults below).",
+        "",
+    ]
     for variable, kind, default, description in rows:
         line = f"  {variable:<{width}}  {kind} = {default}"
         lines.append(line + (f"  ({description})" if description else ""))
@@ -67,6 +73,8 @@ def handle_cli(argv: Sequence[str], prog: str, summary: str, settings_cls: type[
     if argv[0] in ("-h", "--help"):
         sys.stdout.write(settings_help(prog, summary, settings_cls))
         return 0
-    sys.stderr.write(f"{prog}: takes no arguments (got {' '.join(argv)}); settings are SPARSECAST_* "
-                     f"environment variables, see {prog} --help\n")
+    sys.stderr.write(
+        f"{prog}: takes no arguments (got {' '.join(argv)}); settings are SPARSECAST_* "
+        f"environment variables, see {prog} --help\n"
+    )
     return 2

@@ -210,7 +210,8 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
     # /docs and /redoc with their scripts served by the app itself (no CDN: they work offline).
     app = FastAPIOffline(title="sparsecast trainer", version="0.1.0", lifespan=lifespan,
                          responses=error_responses(422),
-                         description="GRPO with Sparse-RL corrections; a sparse weight patch published every step.")
+                         description="GRPO with Sparse-RL corrections; a sparse weight patch published "
+                                     "every step.")
     install_error_handling(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     bearer = HTTPBearer(auto_error=False)
@@ -360,7 +361,8 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
         return {"history": [r for r in rows if r.get("step", 0) > since]}
 
     @app.get("/v1/metrics/throughput")
-    async def throughput_history(since: float = Query(0.0, ge=0, description="samples after this Unix time")) -> dict:
+    async def throughput_history(
+            since: float = Query(0.0, ge=0, description="samples after this Unix time")) -> dict:
         """Each rollout worker's tokens/s as the server sampled it every `interval_s` (last hour)."""
         return {"interval_s": THROUGHPUT_EVERY_S, "samples": [r for r in throughput if r["time"] > since]}
 

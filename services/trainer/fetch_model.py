@@ -32,8 +32,12 @@ def fetch_hf(repo: str, revision: str, out: Path) -> None:
     from huggingface_hub import snapshot_download  # a dependency of transformers
 
     # Weights, config and tokenizer only: no other checkpoint formats a repo may carry too.
-    snapshot_download(repo, revision=revision, local_dir=out,
-                      allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"])
+    snapshot_download(
+        repo,
+        revision=revision,
+        local_dir=out,
+        allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"],
+    )
 
 
 def fetch_url(url: str, out: Path, timeout_s: float = 60.0) -> None:
@@ -60,9 +64,14 @@ def fetch_url(url: str, out: Path, timeout_s: float = 60.0) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.trainer.fetch_model", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="model folder to fill (config.json lands here)")
+    parser = argparse.ArgumentParser(
+        prog="python -m services.trainer.fetch_model",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--out", type=Path, required=True, help="model folder to fill (config.json lands here)"
+    )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--hf", metavar="REPO", help="Hugging Face hub repository, e.g. Qwen/Qwen3-1.7B")
     source.add_argument("--url", help="URL of a .tar, .tar.gz or .zip of the model folder")

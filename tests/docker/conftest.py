@@ -44,7 +44,8 @@ def ci_cache() -> Path:
     """Where downloaded wheels persist between runs (also .ci/docker-setup's cache)."""
     configured = os.environ.get("SPARSECAST_CI_CACHE")
     for candidate in ([Path(configured)] if configured else []) + [
-        Path("/var/cache/sparsecast-ci"), Path.home() / ".cache" / "sparsecast-ci",
+        Path("/var/cache/sparsecast-ci"),
+        Path.home() / ".cache" / "sparsecast-ci",
     ]:
         try:
             candidate.mkdir(parents=True, exist_ok=True)
@@ -59,9 +60,14 @@ def docker_ok() -> str | None:
     """None when a Docker engine answers, else why not."""
     if shutil.which("docker") is None:
         return "no docker client (run .ci/docker-setup)"
-    info = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"],
-                          capture_output=True, text=True, timeout=30)
-    return None if info.returncode == 0 else f"no Docker engine answers (run .ci/docker-setup): {info.stderr.strip()}"
+    info = subprocess.run(
+        ["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True, timeout=30
+    )
+    return (
+        None
+        if info.returncode == 0
+        else f"no Docker engine answers (run .ci/docker-setup): {info.stderr.strip()}"
+    )
 
 
 def compose_binary() -> Path | None:
@@ -101,9 +107,25 @@ def torch_index_url() -> Iterator[str | None]:
     wheels = ci_cache() / "wheels"
     version = dockerfile_arg("TORCH_VERSION")
     got = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "-q", "--only-binary", ":all:", "--python-version", "3.11",
-         "--platform", "manylinux_2_28_x86_64", "-d", str(wheels), f"torch=={version}+cpu"],
-        capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--only-binary",
+            ":all:",
+            "--python-version",
+            "3.11",
+            "--platform",
+            "manylinux_2_28_x86_64",
+            "-d",
+            str(wheels),
+            f"torch=={version}+cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     if got.returncode != 0:
         yield None
@@ -120,9 +142,9 @@ def torch_index_url() -> Iterator[str | None]:
     for name, files in projects.items():
         page = index / "simple" / name / "index.html"
         page.parent.mkdir(parents=True, exist_ok=True)
-        page.write_text("".join(
-            f'<a href="/files/{html.escape(f)}">{html.escape(f)}</a>\n' for f in sorted(files)
-        ))
+        page.write_text(
+            "".join(f'<a href="/files/{html.escape(f)}">{html.escape(f)}</a>\n' for f in sorted(files))
+        )
     handler = partial(_QuietHandler, directory=str(index))
     try:
         # A fixed port keeps the build argument, and so Docker's layer cache, the same across runs.
@@ -152,11 +174,26 @@ class ComposeProject:
 
     def run(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
         done = subprocess.run(
-            [str(compose_binary()), "-p", self.name, "-f", str(ROOT / "compose.yaml"), "-f", str(OVERRIDE), *args],
-            cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout,
+            [
+                str(compose_binary()),
+                "-p",
+                self.name,
+                "-f",
+                str(ROOT / "compose.yaml"),
+                "-f",
+                str(OVERRIDE),
+                *args,
+            ],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
         if check:
-            assert done.returncode == 0, f"compose {' '.join(args)}: {done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+            assert done.returncode == 0, (
+                f"compose {' '.join(args)}: {done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+            )
         return done
 
     def port(self, service: str, port: int) -> int:
@@ -188,9 +225,22 @@ def compose_stack(docker_engine: None, torch_index_url: str | None) -> Iterator[
     # (`compose build` would build it four times in parallel), and `up` then finds it.
     project.run("build", "registry", timeout=1800)
     built = subprocess.run(
-        ["docker", "build", "-q", "--force-rm", "--network", "host", "-t", STANDINS_IMAGE,
-         "-f", str(OVERRIDE.parent / "Dockerfile.standins"), str(OVERRIDE.parent)],
-        capture_output=True, text=True, timeout=900,
+        [
+            "docker",
+            "build",
+            "-q",
+            "--force-rm",
+            "--network",
+            "host",
+            "-t",
+            STANDINS_IMAGE,
+            "-f",
+            str(OVERRIDE.parent / "Dockerfile.standins"),
+            str(OVERRIDE.parent),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert built.returncode == 0, built.stderr[-4000:]
     try:

@@ -69,9 +69,13 @@ def test_compose_up_trains_resumes_and_scales(compose_stack: ComposeProject) -> 
     registry = f"http://127.0.0.1:{project.port('registry', 8100)}"
 
     # demo-submit enqueues the built-in task's prompts once the trainer is ready.
-    status = wait_for(f"{MIN_VERSIONS} published versions",
-                      lambda: (s := trainer_status(trainer))["version"] is not None
-                      and s["version"] >= MIN_VERSIONS and s, 1500, project, every=5)
+    status = wait_for(
+        f"{MIN_VERSIONS} published versions",
+        lambda: (s := trainer_status(trainer))["version"] is not None and s["version"] >= MIN_VERSIONS and s,
+        1500,
+        project,
+        every=5,
+    )
     assert status["run"] == "demo" and status["error"] is None, status
     # Versions are sparse patches: much smaller than the dense weights.
     versions = httpx.get(f"{trainer}/v1/versions", timeout=10).json()["versions"]
@@ -83,14 +87,27 @@ def test_compose_up_trains_resumes_and_scales(compose_stack: ComposeProject) -> 
     # A restarted trainer resumes from its checkpoint volume: never back at v0, and it goes on.
     before = trainer_status(trainer)["version"]
     project.run("restart", "trainer", timeout=300)
-    resumed = wait_for("the restarted trainer", lambda: (s := trainer_status(trainer))["version"] is not None
-                       and s["state"] != "starting" and s, 900, project)
+    resumed = wait_for(
+        "the restarted trainer",
+        lambda: (s := trainer_status(trainer))["version"] is not None and s["state"] != "starting" and s,
+        900,
+        project,
+    )
     assert resumed["version"] >= before, (before, resumed)
-    more = httpx.post(f"{trainer}/v1/prompts", json={"task": "addition", "generate": {"count": 16}},
-                      headers={"Authorization": f"Bearer {demo_token()}"}, timeout=30)
+    more = httpx.post(
+        f"{trainer}/v1/prompts",
+        json={"task": "addition", "generate": {"count": 16}},
+        headers={"Authorization": f"Bearer {demo_token()}"},
+        timeout=30,
+    )
     assert more.status_code < 300, more.text
-    wait_for("a version after the restart", lambda: trainer_status(trainer)["version"] > resumed["version"],
-             900, project, every=5)
+    wait_for(
+        "a version after the restart",
+        lambda: trainer_status(trainer)["version"] > resumed["version"],
+        900,
+        project,
+        every=5,
+    )
 
     # A second worker joins, catches up from the registry and serves the head too.
     project.run("up", "-d", "--no-recreate", "--scale", "rollout=2", "rollout", timeout=300)
@@ -101,8 +118,12 @@ def test_compose_up_trains_resumes_and_scales(compose_stack: ComposeProject) -> 
 
     project.run("down", "-v", "--timeout", "20", timeout=300)
     assert project.containers("trainer") == []
-    left = subprocess.run(["docker", "volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={project.name}"],
-                          capture_output=True, text=True, timeout=60)
+    left = subprocess.run(
+        ["docker", "volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={project.name}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert left.returncode == 0 and left.stdout.strip() == "", left.stdout
     print(f"compose stack test: {time.monotonic() - started:.0f} s after `up`")
 

@@ -231,5 +231,6 @@ async def test_expired_and_released_leases_count_as_queued_and_the_lease_table_a
     again = await coord.claim("w3", 4)  # reclaims the expired ones
     assert {lease.group_id for lease in again} >= {lease.group_id for lease in held}
     table = {r["entry_id"]: r for r in await coord.leases()}
-    assert all(table[lease.entry_id]["holder"] == "w3" and table[lease.entry_id]["reclaims"] >= 1 for lease in held)
+    for lease in held:
+        assert table[lease.entry_id]["holder"] == "w3" and table[lease.entry_id]["reclaims"] >= 1
     assert (await coord.stats())["leases_pending"] == len(again)

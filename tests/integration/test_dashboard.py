@@ -109,13 +109,15 @@ def test_dashboard_shows_live_data_and_the_demo_stops_on_ctrl_c(tmp_path: Path, 
         assert f"{leased} leased" in card, (leased, card)
         assert browser.find_element("id", "dead-note").text == "(0)"
         # Pause and resume from the page (the token asked once, kept for the tab).
-        browser.execute_script("sessionStorage.setItem('sparsecast-token', arguments[0])", env["SPARSECAST_API_TOKEN"])
+        browser.execute_script("sessionStorage.setItem('sparsecast-token', arguments[0])",
+                               env["SPARSECAST_API_TOKEN"])
         browser.find_element("id", "pause").click()
-        _wait(browser, "return document.getElementById('state').textContent.endsWith('(paused)')", 15, "paused")
+        badge = "document.getElementById('state').textContent"
+        _wait(browser, f"return {badge}.endsWith('(paused)')", 15, "paused")
         assert "paused at step 3" in browser.find_element("id", "notice").text
         browser.save_screenshot(str(tmp_path / "dashboard-paused.png"))
         browser.find_element("id", "resume").click()
-        _wait(browser, "return !document.getElementById('state').textContent.includes('paused')", 15, "resumed")
+        _wait(browser, f"return !{badge}.includes('paused')", 15, "resumed")
         # The worker reports its version on its next heartbeat after syncing to v3.
         _wait(browser, "return [...document.querySelectorAll('#workers tbody td')].map(td => td.textContent)"
                        ".slice(0, 4).join('|') === 'demo-worker-1|native|rkv @32|v3'", 30, "worker at v3")

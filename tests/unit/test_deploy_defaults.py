@@ -15,7 +15,12 @@ from tests.unit.test_deploy_k8s import container_env, helm_template, kubectl_kus
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER_KEYS = ("SPARSECAST_LR", "SPARSECAST_GROUPS_PER_STEP", "SPARSECAST_SAMPLES_PER_PROMPT")
-ROLLOUT_KEYS = ("SPARSECAST_KV_POLICY", "SPARSECAST_KV_BUDGET", "SPARSECAST_KV_BUFFER", "SPARSECAST_KV_KEEP_PROMPT")
+ROLLOUT_KEYS = (
+    "SPARSECAST_KV_POLICY",
+    "SPARSECAST_KV_BUDGET",
+    "SPARSECAST_KV_BUFFER",
+    "SPARSECAST_KV_KEEP_PROMPT",
+)
 
 
 def demo_defaults() -> dict[str, object]:
@@ -46,7 +51,9 @@ def compose_default(value: str) -> str:
     return found.group(1) if found else str(value)
 
 
-def settings_of(env_by_service: dict[str, dict[str, str | None]], config: dict[str, str]) -> dict[str, object]:
+def settings_of(
+    env_by_service: dict[str, dict[str, str | None]], config: dict[str, str]
+) -> dict[str, object]:
     out: dict[str, object] = {"SPARSECAST_RUN": typed("SPARSECAST_RUN", config["SPARSECAST_RUN"])}
     for service, keys in (("trainer", TRAINER_KEYS), ("rollout", ROLLOUT_KEYS)):
         for key in keys:
@@ -63,7 +70,10 @@ def manifests_settings(docs: list[dict]) -> dict[str, object]:
 
 def test_compose_starts_the_demos_training() -> None:
     services = load_compose()["services"]
-    env = {name: {k: compose_default(v) for k, v in services[name]["environment"].items()} for name in ("trainer", "rollout")}
+    env = {
+        name: {k: compose_default(v) for k, v in services[name]["environment"].items()}
+        for name in ("trainer", "rollout")
+    }
     assert settings_of(env, env["trainer"]) == demo_defaults()
 
 
@@ -84,5 +94,7 @@ def test_compose_submits_whole_demo_steps() -> None:
 def test_a_differing_deploy_file_is_caught() -> None:
     # The comparison is real: the old chart learning rate differs from the demo's.
     values = yaml.safe_load((ROOT / "k8s/helm/sparsecast/values.yaml").read_text())
-    changed = [e | {"value": "2e-5"} if e["name"] == "SPARSECAST_LR" else e for e in values["trainer"]["extraEnv"]]
+    changed = [
+        e | {"value": "2e-5"} if e["name"] == "SPARSECAST_LR" else e for e in values["trainer"]["extraEnv"]
+    ]
     assert manifests_settings(helm_template(overrides={"trainer": {"extraEnv": changed}})) != demo_defaults()

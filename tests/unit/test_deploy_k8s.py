@@ -58,7 +58,8 @@ def chart_values(*files: str, overrides: dict | None = None) -> dict:
 
 def helm_lint(values: dict) -> list[str]:
     """`helm lint --strict`: every finding (warnings count, info does not) as text."""
-    report = helm_python.lint(CHART, values, strict=True, namespace="sparsecast", kube_version=f"v{K8S_VERSION}")
+    report = helm_python.lint(CHART, values, strict=True, namespace="sparsecast",
+                              kube_version=f"v{K8S_VERSION}")
     return report["errors"] + [f"{m['path']}: {m['error']}" for m in report["messages"] if m["severity"] >= 2]
 
 
@@ -156,7 +157,8 @@ def check_manifests(docs: list[dict], *, gpu: bool, trainer_gpu: bool = False) -
         assert rollout["image"].endswith(":cpu")
         assert env["SPARSECAST_DEVICE"] == "cpu"
     _, registry = services["registry"]
-    assert "nvidia.com/gpu" not in registry["resources"].get("limits", {}) and registry["image"].endswith(":cpu")
+    assert "nvidia.com/gpu" not in registry["resources"].get("limits", {})
+    assert registry["image"].endswith(":cpu")
     _, trainer = services["trainer"]
     trainer_limits = trainer["resources"].get("limits", {})
     assert ("nvidia.com/gpu" in trainer_limits) == trainer_gpu
@@ -342,7 +344,8 @@ def by_kind_and_name(docs: list[dict]) -> dict[tuple[str, str], dict]:
 
 
 def pod_spec(docs: list[dict], component: str) -> dict:
-    [deployment] = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith(f"-{component}")]
+    [deployment] = [d for d in docs
+                    if d["kind"] == "Deployment" and d["metadata"]["name"].endswith(f"-{component}")]
     return deployment["spec"]["template"]
 
 
@@ -358,7 +361,8 @@ def check_crd_objects_and_validate(docs: list[dict]) -> None:
 
 
 OPERATOR_VALUES = {
-    "model": {"source": "hf", "hf": {"repo": "Qwen/Qwen3-1.7B", "tokenSecret": {"name": "hf-token", "key": "HF_TOKEN"}}},
+    "model": {"source": "hf",
+              "hf": {"repo": "Qwen/Qwen3-1.7B", "tokenSecret": {"name": "hf-token", "key": "HF_TOKEN"}}},
     "trainer": {"gpu": {"enabled": True, "count": 2}},
     "rollout": {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6, "queuedPerWorker": 8}},
     "ingress": {"enabled": True, "className": "nginx", "host": "rl.example.com", "tlsSecret": "rl-tls"},
@@ -393,9 +397,11 @@ def test_chart_operator_options_render_valid_objects() -> None:
     rollout = objects[("Deployment", "demo-sparsecast-rollout")]
     assert "replicas" not in rollout["spec"]
     hpa = objects[("HorizontalPodAutoscaler", "demo-sparsecast-rollout")]
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "demo-sparsecast-rollout"}
+    target = {"apiVersion": "apps/v1", "kind": "Deployment", "name": "demo-sparsecast-rollout"}
+    assert hpa["spec"]["scaleTargetRef"] == target
     [metric] = hpa["spec"]["metrics"]
-    assert metric["external"]["metric"] == {"name": "coord", "selector": {"matchLabels": {"name": "prompts_queued"}}}
+    queued = {"name": "coord", "selector": {"matchLabels": {"name": "prompts_queued"}}}
+    assert metric["external"]["metric"] == queued
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
 
     # The Ingress reaches the trainer's Service on a port it has.
@@ -427,7 +433,8 @@ def test_chart_operator_options_render_valid_objects() -> None:
     ],
     ids=["url", "volume"],
 )
-def test_chart_model_from_a_url_or_a_filled_volume(model: dict, command: list | None, claim: str, path: str) -> None:
+def test_chart_model_from_a_url_or_a_filled_volume(model: dict, command: list | None, claim: str,
+                                                   path: str) -> None:
     docs = helm_template(overrides={"model": model})
     check_crd_objects_and_validate(docs)
     trainer = pod_spec(docs, "trainer")["spec"]
@@ -468,22 +475,26 @@ def test_chart_default_pods_spread_survive_drains_and_are_scraped() -> None:
     template = pod_spec(docs, "rollout")
     labels = template["metadata"]["labels"]
     pdb = objects[("PodDisruptionBudget", "demo-sparsecast-rollout")]
-    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items() and pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert pdb["spec"]["maxUnavailable"] == 1
     [spread] = template["spec"]["topologySpreadConstraints"]
     assert spread["labelSelector"]["matchLabels"].items() <= labels.items()
-    assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["whenUnsatisfiable"] == "ScheduleAnyway"
+    assert (spread["topologyKey"], spread["whenUnsatisfiable"]) == ("kubernetes.io/hostname", "ScheduleAnyway")
     for name, port in SERVICES.items():
         annotations = pod_spec(docs, name)["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true"
-        assert (annotations["prometheus.io/port"], annotations["prometheus.io/path"]) == (str(port), "/metrics")
+        scrape = (annotations["prometheus.io/port"], annotations["prometheus.io/path"])
+        assert scrape == (str(port), "/metrics")
 
 
 def test_a_changed_token_secret_restarts_the_pods() -> None:
     def checksums(overrides: dict) -> dict[str, str | None]:
         docs = helm_template(overrides=overrides)
-        return {name: pod_spec(docs, name)["metadata"]["annotations"].get("checksum/secret") for name in SERVICES}
+        return {name: pod_spec(docs, name)["metadata"]["annotations"].get("checksum/secret")
+                for name in SERVICES}
 
-    first, again, changed = (checksums({"auth": {"apiToken": t}}) for t in ("token-one", "token-one", "token-two"))
+    tokens = ("token-one", "token-one", "token-two")
+    first, again, changed = (checksums({"auth": {"apiToken": t}}) for t in tokens)
     assert all(first.values()) and first == again
     assert all(first[name] != changed[name] for name in SERVICES)
     # An existing Secret is the operator's: the chart cannot see it change.

@@ -29,7 +29,11 @@ def served(tmp_path: Path) -> Iterator[tuple[Path, str]]:
 
 
 def model_files() -> dict[str, bytes]:
-    return {"config.json": b'{"model_type": "qwen3"}', "model.safetensors": b"\0" * 64, "tokenizer.json": b"{}"}
+    return {
+        "config.json": b'{"model_type": "qwen3"}',
+        "model.safetensors": b"\0" * 64,
+        "tokenizer.json": b"{}",
+    }
 
 
 def test_a_tarball_of_the_model_folder_is_unpacked(served: tuple[Path, str], tmp_path: Path) -> None:
@@ -58,7 +62,9 @@ def test_a_zip_of_the_folder_contents_works_too(served: tuple[Path, str], tmp_pa
 
 
 @pytest.mark.parametrize("content", [b"not an archive", b"missing"], ids=["garbage", "404"])
-def test_a_bad_source_fails_with_nothing_left_behind(served: tuple[Path, str], tmp_path: Path, content: bytes) -> None:
+def test_a_bad_source_fails_with_nothing_left_behind(
+    served: tuple[Path, str], tmp_path: Path, content: bytes
+) -> None:
     root, url = served
     if content != b"missing":
         (root / "m.tar").write_bytes(content)

@@ -166,11 +166,17 @@ function renderCharts() {
 
   lineChart($("chart-loss"), [series("loss", "loss", COLORS[0]), series("grad norm", "grad_norm", COLORS[1])],
     { fmtY: (v) => fix(v, 3) });
-  lineChart($("chart-kl"), [series("KL old‖sampler", "kl_old_sampler", COLORS[4]),
-    series("KL to reference", "kl_ref", COLORS[5]), series("entropy", "entropy", COLORS[2])], { fmtY: (v) => fix(v, 3) });
-  lineChart($("chart-steptime"), [series("step", "step_seconds", COLORS[0]), series("extract patch", "extract_seconds", COLORS[1]),
-    series("train", "train_seconds", COLORS[2]), series("upload", "upload_seconds", COLORS[3])],
-  { yMin: 0, fmtY: (v) => `${fix(v, 1)}s` });
+  lineChart($("chart-kl"), [
+    series("KL old‖sampler", "kl_old_sampler", COLORS[4]),
+    series("KL to reference", "kl_ref", COLORS[5]),
+    series("entropy", "entropy", COLORS[2]),
+  ], { fmtY: (v) => fix(v, 3) });
+  lineChart($("chart-steptime"), [
+    series("step", "step_seconds", COLORS[0]),
+    series("extract patch", "extract_seconds", COLORS[1]),
+    series("train", "train_seconds", COLORS[2]),
+    series("upload", "upload_seconds", COLORS[3]),
+  ], { yMin: 0, fmtY: (v) => `${fix(v, 1)}s` });
 
   lineChart($("chart-corrections"), [
     series("rejected sequences", "rejection_rate", COLORS[5]),
@@ -186,8 +192,9 @@ function renderCharts() {
     name: id, color: COLORS[i % COLORS.length],
     points: samples.filter((r) => isNum(r.workers[id])).map((r) => [(r.time - tEnd) / 60, r.workers[id]]),
   }));
-  lineChart($("chart-throughput"), workerSeries,
-    { yMin: 0, fmtY: (v) => v.toFixed(0), fmtX: (v) => `${v.toFixed(0)} min`, waiting: "no workers registered" });
+  lineChart($("chart-throughput"), workerSeries, {
+    yMin: 0, fmtY: (v) => v.toFixed(0), fmtX: (v) => `${v.toFixed(0)} min`, waiting: "no workers registered",
+  });
 }
 
 function renderHeader() {
@@ -214,24 +221,30 @@ function renderHeader() {
   };
   card("kpi-reward", fix(last.reward_mean), fix(mean("reward_mean")));
   card("kpi-accuracy", pct(last.accuracy), pct(mean("accuracy")));
-  card("kpi-patch", isNum(last.payload_ratio) ? `${bytes(last.patch_bytes)} · ${last.payload_ratio.toFixed(0)}x smaller` : "-",
-    isNum(mean("payload_ratio")) ? `${bytes(mean("patch_bytes"))} · ${mean("payload_ratio").toFixed(0)}x` : "-");
+  const patch = (bytesValue, ratio, suffix) => (isNum(ratio) ? `${bytes(bytesValue)} · ${ratio.toFixed(0)}x${suffix}` : "-");
+  card("kpi-patch", patch(last.patch_bytes, last.payload_ratio, " smaller"),
+    patch(mean("patch_bytes"), mean("payload_ratio"), ""));
   card("kpi-changed", pct(last.changed_fraction, 2), pct(mean("changed_fraction"), 2));
   card("kpi-kv", pct(last.kv_saved), pct(mean("kv_saved")));
-  card("kpi-corrections", isNum(last.rejection_rate) ? `${pct(last.rejection_rate)} / ${pct(last.token_mask_rate)}` : "-",
-    `${pct(mean("rejection_rate"))} / ${pct(mean("token_mask_rate"))}`);
+  const vetoes = (rejected, masked) => (isNum(rejected) ? `${pct(rejected)} / ${pct(masked)}` : "-");
+  card("kpi-corrections", vetoes(last.rejection_rate, last.token_mask_rate),
+    vetoes(mean("rejection_rate"), mean("token_mask_rate")));
   card("kpi-step", isNum(last.step_seconds) ? `${fix(last.step_seconds, 1)} s` : "-",
     isNum(mean("step_seconds")) ? `${fix(mean("step_seconds"), 1)} s` : "-");
   // The queue's numbers and the lease table come from the same Redis list, so they agree.
   const q = s?.queue || {};
   $("kpi-queue").textContent = s ? `${q.prompts_queued ?? 0} waiting · ${q.leases_pending ?? 0} leased · `
-    + `${q.trajectories_queued ?? 0} results unread · ${q.groups_completed ?? 0} done · ${q.dead_letter_depth ?? 0} dead` : "-";
+    + `${q.trajectories_queued ?? 0} results unread · ${q.groups_completed ?? 0} done · `
+    + `${q.dead_letter_depth ?? 0} dead` : "-";
   const notes = [];
-  if (q.leases_expired) notes.push(`${q.leases_expired} of the waiting are expired or released leases, reclaimed next`);
-  if (s && s.state === "finished" && q.trajectories_queued) {
+  if (q.leases_expired) {
+    notes.push(`${q.leases_expired} of the waiting are expired or released leases, reclaimed next`);
+  }
+  const finished = s && s.state === "finished";
+  if (finished && q.trajectories_queued) {
     notes.push(`the run finished: ${q.trajectories_queued} results generated in flight will not be trained on`);
   }
-  if (s && s.state === "finished" && q.prompts_queued) notes.push(`${q.prompts_queued} groups were never trained on`);
+  if (finished && q.prompts_queued) notes.push(`${q.prompts_queued} groups were never trained on`);
   $("kpi-queue-note").textContent = notes.join("; ");
 }
 
@@ -263,14 +276,14 @@ function renderTables() {
     return {
       className: lag > 1 ? "lagging" : "",
       cells: [w.worker_id, w.engine, w.kv_policy + (w.kv_budget ? ` @${w.kv_budget}` : ""), `v${w.weight_version}`,
-        lag ?? "-", w.leases_held ?? w.leases, w.tokens_per_s.toFixed(0), `${w.download_mbps.toFixed(1)} Mbit/s`,
-        ago(now - w.updated_at)],
+        lag ?? "-", w.leases_held ?? w.leases, w.tokens_per_s.toFixed(0),
+        `${w.download_mbps.toFixed(1)} Mbit/s`, ago(now - w.updated_at)],
     };
   }));
   const table = state.leases?.leases || [];
   const live = table.filter((r) => r.expires_in_s > 0).length;
-  $("leases-note").textContent = state.leases
-    ? `(${live} held, ${table.length - live} expired or released; a lease lasts ${state.leases.lease_ttl_s} s between heartbeats)` : "";
+  $("leases-note").textContent = state.leases ? `(${live} held, ${table.length - live} expired or released; `
+    + `a lease lasts ${state.leases.lease_ttl_s} s between heartbeats)` : "";
   fillTable("leases", table.map((r) => ({
     className: r.expires_in_s > 0 ? "" : "expired",
     cells: [r.entry_id, r.holder === "~released" ? "(released)" : r.holder,
@@ -279,8 +292,8 @@ function renderTables() {
   const dead = (state.leases?.dead_letters || []).slice().reverse();
   $("dead-note").textContent = state.leases ? `(${dead.length})` : "";
   fillTable("dead", dead.map((d) => ({
-    cells: [d.group_id || d.entry_id, d.worker_id || "-", d.attempts ?? "-", { text: d.reason || "-", className: "left" },
-      ago(now - d.time)],
+    cells: [d.group_id || d.entry_id, d.worker_id || "-", d.attempts ?? "-",
+      { text: d.reason || "-", className: "left" }, ago(now - d.time)],
   })));
   const versions = state.versions.slice(-20).reverse();
   fillTable("versions", versions.map((v) => ({
@@ -342,7 +355,8 @@ async function control(action) {
     token = window.prompt("API token (SPARSECAST_API_TOKEN) for pause/resume:");
     if (!token) return;
   }
-  const response = await fetch(`v1/train/${action}`, { method: "POST", headers: { Authorization: `Bearer ${token}` } });
+  const headers = { Authorization: `Bearer ${token}` };
+  const response = await fetch(`v1/train/${action}`, { method: "POST", headers });
   const notice = $("notice");
   notice.hidden = false;
   if (response.ok) {

@@ -135,7 +135,8 @@ checksum/config: {{ include (print $root.Template.BasePath "/configmap.yaml") $r
 {{- /* The values the Secret is made of, not the rendered Secret: generated entries are random
        in every render until the release exists (lookup), and kept across upgrades after. */}}
 {{- $v := $root.Values }}
-checksum/secret: {{ list $v.auth $v.minio.rootUser $v.minio.rootPassword $v.redis.url $v.store.s3 | toJson | sha256sum }}
+{{- $inputs := list $v.auth $v.minio.rootUser $v.minio.rootPassword $v.redis.url $v.store.s3 }}
+checksum/secret: {{ $inputs | toJson | sha256sum }}
 {{- end }}
 {{- if $root.Values.metrics.scrapeAnnotations }}
 prometheus.io/scrape: "true"
@@ -156,11 +157,11 @@ prometheus.io/path: /metrics
 {{- end }}
 {{- end }}
 
-{{/* Extra env of a container, with OMP_NUM_THREADS from its CPU limit unless given.
-     include "sparsecast.threadsEnv" (list .Values.trainer.resources .Values.trainer.extraEnv) */}}
+{{/* A component's extraEnv, with OMP_NUM_THREADS from its CPU limit unless extraEnv gives it.
+     include "sparsecast.threadsEnv" .Values.trainer */}}
 {{- define "sparsecast.threadsEnv" -}}
-{{- $threads := include "sparsecast.ompThreads" (index . 0) }}
-{{- $extra := index . 1 | default list }}
+{{- $threads := include "sparsecast.ompThreads" .resources }}
+{{- $extra := .extraEnv | default list }}
 {{- $given := false }}
 {{- range $extra }}{{ if eq .name "OMP_NUM_THREADS" }}{{ $given = true }}{{ end }}{{ end }}
 {{- if and $threads (not $given) }}
