@@ -168,9 +168,10 @@ class _QuietHandler(SimpleHTTPRequestHandler):
 class ComposeProject:
     """`docker compose -p <unique> -f compose.yaml -f tests/docker/compose.ci.yaml ...`."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], extra_files: list[Path]) -> None:
         self.name = f"sparsecast-ci-{uuid.uuid4().hex[:8]}"
         self.env = env
+        self.files = [ROOT / "compose.yaml", OVERRIDE, *extra_files]
 
     def run(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
         done = subprocess.run(
@@ -178,10 +179,7 @@ class ComposeProject:
                 str(compose_binary()),
                 "-p",
                 self.name,
-                "-f",
-                str(ROOT / "compose.yaml"),
-                "-f",
-                str(OVERRIDE),
+                *[arg for path in self.files for arg in ("-f", str(path))],
                 *args,
             ],
             cwd=ROOT,
@@ -209,6 +207,27 @@ class ComposeProject:
         return self.run("logs", "--no-color", "--tail", "60", check=False).stdout
 
 
+def model_override(folder: Path) -> Path:
+    """A small random Qwen3 model for the trainer, mounted read-only at /models/tiny.
+
+    The default model, tiny-demo, is warm-started by SFT inside the trainer container: about
+    80 s of CPU on an idle 2-core machine, but many minutes on a loaded CI runner (the warm start
+    has tests of its own: tests/unit/test_warmstart.py, the demo tests). SPARSECAST_MODEL is the
+    compose variable a user sets for their own model the same way."""
+    from tests.conftest import build_tiny_model_dir
+
+    model = folder / "tiny"
+    build_tiny_model_dir(model)
+    for path in [folder, *folder.rglob("*")]:  # the containers run as uid 10001
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    override = folder / "compose.model.yaml"
+    override.write_text(
+        "services:\n  trainer:\n    volumes:\n"
+        f"      - {{type: bind, source: {json.dumps(str(model))}, target: /models/tiny, read_only: true}}\n"
+    )
+    return override
+
+
 @pytest.fixture(scope="module")
 def compose_stack(docker_engine: None, torch_index_url: str | None) -> Iterator[ComposeProject]:
     """Images built (the user's Dockerfile through compose, then the stand-ins), a project of its
@@ -220,7 +239,11 @@ def compose_stack(docker_engine: None, torch_index_url: str | None) -> Iterator[
     # Six of the demo's steps (16 groups each), then the trainer waits: the head stands still, so
     # "every worker serves the head" is a state the test can observe.
     env["SPARSECAST_DEMO_PROMPTS"] = str(6 * 16)
-    project = ComposeProject(env)
+    extra = []
+    if not os.environ.get("SPARSECAST_CI_WARMSTART"):  # set it to test the in-container warm start
+        extra.append(model_override(Path(tempfile.mkdtemp(prefix="sparsecast-ci-model-"))))
+        env["SPARSECAST_MODEL"] = "/models/tiny"
+    project = ComposeProject(env, extra)
     # registry, trainer, rollout and demo-submit share one image tag: building it once is enough
     # (`compose build` would build it four times in parallel), and `up` then finds it.
     project.run("build", "registry", timeout=1800)
@@ -248,3 +271,5 @@ def compose_stack(docker_engine: None, torch_index_url: str | None) -> Iterator[
     finally:
         print(project.logs()[-20000:])
         project.run("down", "-v", "--remove-orphans", "--timeout", "20", timeout=300, check=False)
+        for path in extra:
+            shutil.rmtree(path.parent, ignore_errors=True)

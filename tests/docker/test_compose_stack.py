@@ -64,7 +64,8 @@ def workers_at_head(project: ComposeProject, registry: str, count: int) -> bool:
 def test_compose_up_trains_resumes_and_scales(compose_stack: ComposeProject) -> None:
     project = compose_stack
     started = time.monotonic()
-    project.run("up", "-d", timeout=600)
+    # `up -d` returns once every container started, i.e. after the trainer's healthcheck passed.
+    project.run("up", "-d", timeout=1800)
     trainer = f"http://127.0.0.1:{project.port('trainer', 8000)}"
     registry = f"http://127.0.0.1:{project.port('registry', 8100)}"
 
