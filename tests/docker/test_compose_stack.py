@@ -78,16 +78,17 @@ def test_compose_up_trains_resumes_and_scales(compose_stack: ComposeProject) -> 
         every=5,
     )
     assert status["run"] == "demo" and status["error"] is None, status
-    # Versions are sparse patches: much smaller than the dense weights.
+    # Each version is a sparse patch, far smaller than the dense weights (payload_ratio = dense / patch).
     versions = httpx.get(f"{trainer}/v1/versions", timeout=10).json()["versions"]
-    ratios = [v["payload_ratio"] for v in versions if v["version"] > 0 and v["payload_ratio"]]
-    assert ratios and max(ratios) < 0.5, ratios
+    ratios = [v["payload_ratio"] for v in versions if v["version"] > 0]
+    assert len(ratios) >= MIN_VERSIONS and min(ratios) > 4, ratios
     wait_for("the worker at the registry's head", lambda: workers_at_head(project, registry, 1), 300, project)
     print(f"trained to v{status['version']} in {time.monotonic() - started:.0f} s after `up`")
 
     # A restarted trainer resumes from its checkpoint volume: never back at v0, and it goes on.
     before = trainer_status(trainer)["version"]
     project.run("restart", "trainer", timeout=300)
+    trainer = f"http://127.0.0.1:{project.port('trainer', 8000)}"  # a restart draws a new host port
     resumed = wait_for(
         "the restarted trainer",
         lambda: (s := trainer_status(trainer))["version"] is not None and s["state"] != "starting" and s,
