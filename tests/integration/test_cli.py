@@ -23,7 +23,7 @@ from services.trainer.app import create_app as create_trainer
 from services.trainer.settings import TrainerSettings
 from shared.coord import Coordinator
 from shared.patch import extract_patch
-from shared.registry_client import RegistryClient
+from shared.registry.client import RegistryClient
 from shared.schemas import WorkerInfo
 from tests.conftest import REDIS_URL, free_port, serve_app
 
@@ -220,7 +220,7 @@ def test_version_flag(capsys: pytest.CaptureFixture) -> None:
 
 def test_one_default_run_name_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
     from services.cli import build_parser
-    from services.demo import RUN as DEMO_RUN
+    from services.demo.options import RUN as DEMO_RUN
     from services.registry.settings import RegistrySettings as Registry
     from services.rollout.settings import RolloutSettings
     from shared.schemas import DEFAULT_RUN
@@ -235,7 +235,7 @@ def test_one_default_run_name_everywhere(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_tables_fit_80_columns() -> None:
     from rich.console import Console
 
-    from services.cli import versions_table, workers_table
+    from services.views import versions_table, workers_table
 
     workers = [{"worker_id": f"rollout-{n}-7f9c2d", "engine": "native", "kv_policy": "rkv", "kv_budget": 512,
                 "weight_version": 118, "tokens_per_s": 1234.5, "download_mbps": 95.3, "leases": 12,

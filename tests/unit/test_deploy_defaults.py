@@ -1,4 +1,4 @@
-"""One set of demo defaults: `make demo` (services/demo.py) is the reference, and compose.yaml, the
+"""One set of demo defaults: `make demo` (services/demo/options.py) is the reference, and compose.yaml, the
 Helm chart and the kustomize base start the same training (learning rate, batch shape, KV budget
 semantics, run name)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from services.demo import RUN, DemoOptions
+from services.demo.options import RUN, DemoOptions
 from tests.unit.test_deploy_compose import load_compose
 from tests.unit.test_deploy_k8s import container_env, helm_template, kubectl_kustomize, sparsecast_containers
 
