@@ -11,6 +11,9 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+# The run name every service, the CLI, compose, the chart and the demo use unless told otherwise.
+DEFAULT_RUN = "demo"
+
 
 def _encodable(text: str) -> str:
     # JSON may carry a lone surrogate (e.g. "\ud800"): a str that no UTF-8 consumer (tokenizer,

@@ -11,6 +11,7 @@ from typing import Annotated
 
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.registry.core import KEY_PART, OBJECT_FOLDERS, RUN_NAME, RedisAnnouncer, Registry
@@ -57,7 +58,8 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
         if announcer:
             await announcer.aclose()
 
-    app = FastAPI(title="sparsecast registry", lifespan=lifespan, responses=error_responses(422))
+    # /docs and /redoc with their scripts served by the app itself (no CDN: they work offline).
+    app = FastAPIOffline(title="sparsecast registry", lifespan=lifespan, responses=error_responses(422))
     app.state.registry = registry
     install_error_handling(app)
     reads = error_responses(404)

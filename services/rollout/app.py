@@ -17,6 +17,7 @@ from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import ValidationError
 
@@ -175,8 +176,10 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
             if state["redis"] is not None:
                 await state["redis"].aclose()
 
-    app = FastAPI(title="sparsecast rollout", version="0.1.0", lifespan=lifespan, responses=error_responses(422),
-                  description="Sparse-KV generation, an OpenAI completions subset, live weight sync.")
+    # /docs and /redoc with their scripts served by the app itself (no CDN: they work offline).
+    app = FastAPIOffline(title="sparsecast rollout", version="0.1.0", lifespan=lifespan,
+                         responses=error_responses(422),
+                         description="Sparse-KV generation, an OpenAI completions subset, live weight sync.")
     install_error_handling(app)
     if settings.relay:  # peers fetch the pieces this worker verified (shared.relay)
         app.add_route(RELAY_PATH, relay_endpoint(holdings), methods=["GET"], include_in_schema=False)
