@@ -10,8 +10,13 @@ import yaml
 
 from services.demo.options import RUN, DemoOptions
 from tests.paths import REPO_ROOT
-from tests.unit.test_deploy_compose import load_compose
-from tests.unit.test_deploy_k8s import container_env, helm_template, kubectl_kustomize, sparsecast_containers
+from tests.unit.deploy.test_deploy_compose import load_compose
+from tests.unit.deploy.test_deploy_k8s import (
+    container_env,
+    helm_template,
+    kubectl_kustomize,
+    sparsecast_containers,
+)
 
 ROOT = REPO_ROOT
 TRAINER_KEYS = ("SPARSECAST_LR", "SPARSECAST_GROUPS_PER_STEP", "SPARSECAST_SAMPLES_PER_PROMPT")
