@@ -14,6 +14,11 @@ When every row stores the same number of tokens (equal prompts: a GRPO group, a 
 is needed and SDPA can take its fastest (flash) kernel; otherwise one additive mask per step, over
 a span rounded up to `span_bucket` slots on CUDA so attention sees few distinct shapes (kernels
 that plan or allocate per shape do it a handful of times per batch, not every step).
+
+A `static` cache (CUDA graphs, cuda_graphs.py) never reallocates: rows that leave the batch are
+compacted in place and the tensors above become views of the first live rows; its decode step
+(`decode_static`) reads lengths from the device (kernels.py), so one captured graph serves every
+step. Compression runs outside the graph, in place, as in the eager cache.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from services.rollout.engine import kernels
 from services.rollout.engine.config import KVConfig
 from services.rollout.engine.policies import EvictionPolicy, make_policy
 
@@ -30,7 +36,7 @@ from services.rollout.engine.policies import EvictionPolicy, make_policy
 class KVCache:
     def __init__(self, *, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  prompt_lengths: list[int], capacity: int, kv: KVConfig, dtype: torch.dtype,
-                 device: torch.device, span_bucket: int | None = None) -> None:
+                 device: torch.device, span_bucket: int | None = None, static: bool = False) -> None:
         batch = len(prompt_lengths)
         self.kv = kv
         self.policy: EvictionPolicy = make_policy(kv)
@@ -57,6 +63,13 @@ class KVCache:
         self.lengths = [0] * batch
         self.protected = list(prompt_lengths) if kv.keep_prompt else [0] * batch
         self.lengths_t = torch.zeros(batch, dtype=torch.long, device=device)
+        self.static = static
+        if static:
+            # The whole allocation (graphs address it), and the ring's next slot on the device.
+            self._full = {"k": self.k, "v": self.v, "positions": self.positions, "q_window": self.q_window}
+            self._lengths_full = self.lengths_t
+            self.q_next_t = torch.zeros(1, dtype=torch.long, device=device)
+            self.attn_buffers = kernels.attention_buffers(batch, num_heads, capacity, head_dim, device)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -84,7 +97,7 @@ class KVCache:
         self.positions[:, :, :, :width] = slots.to(torch.int32)
         self._prefill_lengths = lengths
         self.lengths = list(self.prompt_lengths)
-        self.lengths_t = lengths.clone()
+        self._set_lengths_t(lengths)
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """AttendFn for the padded prompt batch: q [B, Hq, T, D], k/v [B, Hkv, T, D]."""
@@ -152,6 +165,44 @@ class KVCache:
         out = torch.matmul(probs.to(values.dtype), values[:, :, None])  # [B, Hkv, G, 1, D]
         return out.view(b, self.num_heads, 1, self.head_dim)
 
+    # ------------------------------------------------------------------ static decode (CUDA graphs)
+    def record_positions(self, positions: torch.Tensor) -> None:
+        """Graph-safe begin_decode: positions [b] of the new tokens at slot lengths[row], rows [0, b)."""
+        b = positions.shape[0]
+        full = self._full["positions"]
+        slot = self._lengths_full[:b].clamp(max=self.capacity - 1)
+        shape = (full.shape[0], b, full.shape[2], 1)
+        full[:, :b].scatter_(3, slot.view(1, b, 1, 1).expand(shape),
+                             positions.to(torch.int32).view(1, b, 1, 1).expand(shape))
+
+    def decode_static(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """AttendFn of a captured decode step over rows [0, b) of the allocation (b = graph bucket)."""
+        b = q.shape[0]
+        lengths = self._lengths_full[:b]
+        k_cache, v_cache = self._full["k"][layer], self._full["v"][layer]
+        kernels.store_kv(k, v, k_cache, v_cache, lengths)
+        q_window = self._full["q_window"]
+        if q_window is not None:
+            q_window[layer, :b].index_copy_(2, self.q_next_t, q)
+        return kernels.decode_attention(q, k_cache, v_cache, lengths, self.scale, self.attn_buffers)
+
+    def advance_static(self, b: int) -> None:
+        """Graph-safe end of a decode step on the device (the host side: end_decode_host)."""
+        self._lengths_full[:b] += 1
+        if self.q_window is not None:
+            self.q_next_t.add_(1).remainder_(self.kv.window)
+
+    def end_decode_host(self) -> None:
+        self.lengths = [n + 1 for n in self.lengths]
+        if self.q_window is not None:
+            self.q_next = (self.q_next + 1) % self.kv.window
+
+    def _set_lengths_t(self, lengths: torch.Tensor) -> None:
+        if self.static:
+            self.lengths_t.copy_(lengths)
+        else:
+            self.lengths_t = lengths.clone()
+
     def end_decode(self) -> None:
         self.lengths = [n + 1 for n in self.lengths]
         self.lengths_t = self.lengths_t + 1
@@ -210,7 +261,7 @@ class KVCache:
                 # must start from zero, not inherit them.
                 self.attn_acc[layer, :, :, :span].masked_fill_(~rank_ok, 0.0)
         self.lengths = keep
-        self.lengths_t = torch.tensor(keep, device=dev)
+        self._set_lengths_t(torch.tensor(keep, device=dev))
         return evicted
 
     def _gather_(self, layer: int, perm: torch.Tensor, span: int) -> None:
@@ -224,6 +275,8 @@ class KVCache:
     # ------------------------------------------------------------------ batch
     def select_rows(self, rows: list[int]) -> None:
         """Keep only these rows (finished sequences leave the batch)."""
+        if self.static:
+            return self._compact_rows(rows)
         index = torch.tensor(rows, device=self.device)
         self.k = self.k.index_select(1, index)
         self.v = self.v.index_select(1, index)
@@ -236,6 +289,26 @@ class KVCache:
         self.protected = [self.protected[r] for r in rows]
         self.prompt_lengths = [self.prompt_lengths[r] for r in rows]
         self.lengths_t = self.lengths_t.index_select(0, index)
+
+    def _compact_rows(self, rows: list[int]) -> None:
+        """select_rows of a static cache: live rows move to the front of the allocation, in place
+        (row by row, in increasing order: a row is only ever copied to a lower one already moved)."""
+        for new, old in enumerate(rows):
+            if new != old:
+                for buf in self._full.values():
+                    if buf is not None:
+                        buf[:, new].copy_(buf[:, old])
+        n = len(rows)
+        lengths = self._lengths_full
+        lengths[:n] = lengths.index_select(0, torch.tensor(rows, device=self.device))
+        lengths[n:] = 0  # rows past the live batch in a padded graph bucket start over
+        self.k, self.v, self.positions = (self._full[key][:, :n] for key in ("k", "v", "positions"))
+        if self.q_window is not None:
+            self.q_window = self._full["q_window"][:, :n]
+        self.lengths_t = lengths[:n]
+        self.lengths = [self.lengths[r] for r in rows]
+        self.protected = [self.protected[r] for r in rows]
+        self.prompt_lengths = [self.prompt_lengths[r] for r in rows]
 
 
 def cache_capacity(prompt_lengths: list[int], max_new_tokens: int, kv: KVConfig) -> int:

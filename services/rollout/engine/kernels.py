@@ -1,0 +1,140 @@
+"""Triton kernels of the CUDA decode path (docs/engine.md, "CUDA graphs").
+
+All of them take the cache's per-row lengths from a device tensor, never from the host, so a decode
+step has the same shapes and launches at every length and can be captured in a CUDA graph:
+
+- `store_kv`: write one new token's K and V per (row, KV head) at slot `lengths[row]`.
+- `decode_attention`: flash-decoding over the slots `[0, lengths[row] + 1)` of each row (the new
+  token included): the G query heads of a KV head are the rows of one tile (no K/V repeat), the
+  slots are cut into fixed splits whose partial softmax results one small kernel merges. Splits
+  past a row's length exit at once, so the grid can cover the whole capacity.
+- `key_redundancy_stats`: R-KV's near-duplicate search without the S×S similarity tensor.
+
+Lengths are clamped to the capacity: rows past the live batch in a padded graph bucket keep
+growing without writing out of bounds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; without it the engine keeps its eager path.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+SPLIT = 256  # slots per split of decode attention (4 tiles of 64)
+_BLOCK_N = 64
+
+
+def available() -> bool:
+    return triton is not None and torch.cuda.is_available()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, len_ptr, sk_b, sk_h, sv_b, sv_h,
+                         sc_b, sc_h, sc_s, cap, n_kv_heads, D: tl.constexpr):
+        pid = tl.program_id(0)
+        b = pid // n_kv_heads
+        h = pid % n_kv_heads
+        slot = tl.minimum(tl.load(len_ptr + b), cap - 1)
+        d = tl.arange(0, D)
+        dest = b * sc_b + h * sc_h + slot * sc_s + d
+        tl.store(kc_ptr + dest, tl.load(k_ptr + b * sk_b + h * sk_h + d))
+        tl.store(vc_ptr + dest, tl.load(v_ptr + b * sv_b + h * sv_h + d))
+
+    @triton.jit
+    def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, lse_ptr,
+                           sq_b, sq_h, sk_b, sk_h, sk_s, cap, scale, n_kv_heads, n_splits,
+                           G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                           SPLIT_N: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        b = pid // n_kv_heads
+        h = pid % n_kv_heads
+        length = tl.minimum(tl.load(len_ptr + b) + 1, cap)
+        start = split * SPLIT_N
+        g = tl.arange(0, GP)
+        row_ok = g < G
+        rows = b * (n_kv_heads * G) + h * G + g  # flat query-head index of each tile row
+        if start >= length:
+            tl.store(lse_ptr + rows * n_splits + split, tl.full([GP], float("-inf"), tl.float32), mask=row_ok)
+            return
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + b * sq_b + (h * G + g)[:, None] * sq_h + d[None, :], mask=row_ok[:, None], other=0.0)
+        m = tl.full([GP], float("-inf"), tl.float32)
+        l_sum = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        end = tl.minimum(start + SPLIT_N, length)
+        base = b * sk_b + h * sk_h
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            ok = n < end
+            offs = base + n[:, None] * sk_s + d[None, :]
+            k = tl.load(k_ptr + offs, mask=ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + offs, mask=ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+        out = rows * n_splits + split
+        tl.store(o_ptr + out[:, None] * D + d[None, :], acc / l_sum[:, None], mask=row_ok[:, None])
+        tl.store(lse_ptr + out, m + tl.log(l_sum), mask=row_ok)
+
+    @triton.jit
+    def _attn_combine_kernel(o_ptr, lse_ptr, out_ptr, n_splits, NSP: tl.constexpr, D: tl.constexpr):
+        row = tl.program_id(0)
+        s = tl.arange(0, NSP)
+        d = tl.arange(0, D)
+        lse = tl.load(lse_ptr + row * n_splits + s, mask=s < n_splits, other=float("-inf"))
+        used = lse > float("-inf")  # splits past the row's length wrote no partial result
+        w = tl.where(used, tl.exp(lse - tl.max(lse, 0)), 0.0)
+        o = tl.load(o_ptr + (row * n_splits + s)[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
+        out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+        tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty))
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             lengths: torch.Tensor) -> None:
+    """k/v [b, Hkv, 1, D] -> k_cache/v_cache [>= b, Hkv, cap, D] (one layer) at slot lengths[row]."""
+    b, heads, _, dim = k.shape
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and k.stride(-1) == v.stride(-1) == 1
+    _store_kv_kernel[(b * heads,)](k, v, k_cache, v_cache, lengths, k.stride(0), k.stride(1), v.stride(0),
+                                   v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                                   k_cache.shape[2], heads, D=dim, num_warps=1)
+
+
+def attention_buffers(batch: int, num_heads: int, capacity: int, head_dim: int,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial outputs and log-sum-exps of decode_attention's splits (reused by every layer)."""
+    splits = -(-capacity // SPLIT)
+    return (torch.empty(batch * num_heads * splits * head_dim, dtype=torch.float32, device=device),
+            torch.empty(batch * num_heads * splits, dtype=torch.float32, device=device))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+                     scale: float, buffers: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """q [b, Hq, 1, D]; k_cache/v_cache [>= b, Hkv, cap, D] (one layer, new token already stored);
+    row r attends to slots [0, lengths[r] + 1). Returns [b, Hq, 1, D] in q's dtype."""
+    b, num_heads, _, dim = q.shape
+    heads, capacity = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // heads
+    splits = -(-capacity // SPLIT)
+    partial, lse = buffers
+    assert k_cache.stride() == v_cache.stride() and q.stride(-1) == 1 and k_cache.stride(-1) == 1
+    _attn_split_kernel[(b * heads, splits)](
+        q, k_cache, v_cache, lengths, partial, lse, q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), capacity, scale, heads, splits,
+        G=group, GP=max(16, triton.next_power_of_2(group)), D=dim, SPLIT_N=SPLIT, BLOCK_N=_BLOCK_N,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+    out = torch.empty((b, num_heads, 1, dim), dtype=q.dtype, device=q.device)
+    _attn_combine_kernel[(b * num_heads,)](partial, lse, out, splits, NSP=triton.next_power_of_2(splits),
+                                          D=dim, num_warps=4)
+    return out
