@@ -28,6 +28,11 @@ SPLIT = 256  # slots per split of decode attention (4 tiles of 64)
 _BLOCK_N = 64
 
 
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 caches (tests, CPU-sized models) keep fp32 products; TF32 would round them to 10 bits.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def available() -> bool:
     return triton is not None and torch.cuda.is_available()
 
@@ -101,6 +106,57 @@ if triton is not None:
         tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty))
 
 
+    @triton.jit
+    def _latest_duplicate_kernel(k_ptr, len_ptr, latest_ptr, value_ptr, sk_b, sk_h, sk_s, span, n_heads, threshold,
+                                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 PRECISION: tl.constexpr):
+        pid = tl.program_id(0)
+        b = pid // n_heads
+        h = pid % n_heads
+        length = tl.load(len_ptr + b)
+        d = tl.arange(0, D)
+        i = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        base = k_ptr + b * sk_b + h * sk_h
+        ki = tl.load(base + i[:, None] * sk_s + d[None, :], mask=(i < length)[:, None], other=0.0)
+        kf = ki.to(tl.float32)
+        inv_i = 1.0 / (tl.sqrt(tl.sum(kf * kf, 1)) + 1e-8)
+        latest = tl.full([BLOCK_M], -1, tl.int32)
+        value = tl.zeros([BLOCK_M], tl.float32)
+        for j0 in range(0, span, BLOCK_N):
+            j = j0 + tl.arange(0, BLOCK_N)
+            kj = tl.load(base + j[:, None] * sk_s + d[None, :], mask=(j < length)[:, None], other=0.0)
+            kjf = kj.to(tl.float32)
+            inv_j = 1.0 / (tl.sqrt(tl.sum(kjf * kjf, 1)) + 1e-8)
+            sim = tl.dot(ki, tl.trans(kj), input_precision=PRECISION) * inv_i[:, None] * inv_j[None, :]
+            # Self-similarity and free slots count as 0 (as in policies.key_redundancy).
+            sim = tl.where((i[:, None] != j[None, :]) & (j < length)[None, :], sim, 0.0)
+            hit = tl.where((sim > threshold) & (j < span)[None, :], j[None, :], -1)
+            best = tl.max(hit, 1)
+            found = best >= 0
+            best_value = tl.sum(tl.where(j[None, :] == best[:, None], sim, 0.0), 1)
+            latest = tl.where(found, best, latest)
+            value = tl.where(found, best_value, value)
+        out = pid * span + i
+        tl.store(latest_ptr + out, latest, mask=i < span)
+        tl.store(value_ptr + out, value, mask=i < span)
+
+
+def key_redundancy_stats(keys: torch.Tensor, lengths: torch.Tensor,
+                         threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """For keys [B, H, S, D] (row b stores lengths[b] keys): per key i, the latest other key j with
+    cosine(k_i, k_j) > threshold (-1 if none) and that cosine -> ([B, H, S] int32, [B, H, S] fp32).
+    Cosines from the tensor-core dot of the stored keys (fp32 accumulate) and fp32 norms."""
+    b, heads, span, dim = keys.shape
+    assert keys.stride(-1) == 1
+    latest = torch.empty((b, heads, span), dtype=torch.int32, device=keys.device)
+    value = torch.empty((b, heads, span), dtype=torch.float32, device=keys.device)
+    block = 64
+    _latest_duplicate_kernel[(b * heads, -(-span // block))](
+        keys, lengths, latest, value, keys.stride(0), keys.stride(1), keys.stride(2), span, heads, threshold,
+        D=dim, BLOCK_M=block, BLOCK_N=block, PRECISION=_precision(keys.dtype), num_warps=4)
+    return latest, value
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              lengths: torch.Tensor) -> None:
     """k/v [b, Hkv, 1, D] -> k_cache/v_cache [>= b, Hkv, cap, D] (one layer) at slot lengths[row]."""
@@ -133,7 +189,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, lengths, partial, lse, q.stride(0), q.stride(1), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), capacity, scale, heads, splits,
         G=group, GP=max(16, triton.next_power_of_2(group)), D=dim, SPLIT_N=SPLIT, BLOCK_N=_BLOCK_N,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+        PRECISION=_precision(q.dtype), num_warps=4, num_stages=2)
     out = torch.empty((b, num_heads, 1, dim), dtype=q.dtype, device=q.device)
     _attn_combine_kernel[(b * num_heads,)](partial, lse, out, splits, NSP=triton.next_power_of_2(splits),
                                           D=dim, num_warps=4)
