@@ -90,15 +90,28 @@ if triton is not None:
         tl.store(sum_out + pid, tl.sum(row_sums * r))
 
     @triton.jit
+    def _popcount(x):
+        """Set bits of each uint32 (SWAR)."""
+        x = x - ((x >> 1) & 0x55555555)
+        x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+        x = (x + (x >> 4)) & 0x0F0F0F0F
+        return (x * 0x01010101) >> 24
+
+    @triton.jit
     def _compact_kernel(bits_in, blk_word0, blk_offset, out, ELEM: tl.constexpr, BW: tl.constexpr):
         pid = tl.program_id(0)
         EPW: tl.constexpr = 8 // ELEM
-        N: tl.constexpr = BW * EPW
-        packed = tl.load(bits_in + pid * (N // 32) + tl.arange(0, N // 32))
-        flags = tl.reshape((packed[:, None] >> tl.arange(0, 32)[None, :]) & 1, (N,))
-        start = tl.load(blk_offset + pid)
-        slot = start + tl.cumsum(flags, axis=0) - flags
-        element = tl.load(blk_word0 + pid) * EPW + tl.arange(0, N)
+        M: tl.constexpr = BW * EPW // 32
+        # Each changed element's rank: the set bits of the mask words before its own, then of its
+        # own word below it (a scan over M words, not over every element).
+        packed = tl.load(bits_in + pid * M + tl.arange(0, M)).to(tl.uint32, bitcast=True)
+        counts = _popcount(packed).to(tl.int64)
+        before = tl.cumsum(counts, axis=0) - counts
+        k = tl.arange(0, 32).to(tl.uint32)
+        flags = (packed[:, None] >> k[None, :]) & 1
+        below = _popcount(packed[:, None] & ((tl.full([1, 32], 1, tl.uint32) << k[None, :]) - 1)).to(tl.int64)
+        slot = tl.load(blk_offset + pid) + before[:, None] + below
+        element = tl.load(blk_word0 + pid) * EPW + tl.arange(0, M)[:, None] * 32 + k[None, :].to(tl.int64)
         tl.store(out + slot, element, mask=flags != 0)
 
 

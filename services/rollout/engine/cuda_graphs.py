@@ -2,7 +2,8 @@
 
 An eager decode step of a 28-layer model launches ~700 kernels, each paying the host's dispatch
 cost, so at small batch the GPU waits on the host (bench/results/profile-*.json). A graph replays
-the whole step (embedding, layers, logits, the cache's length updates) with one launch. What a
+the whole step (embedding, layers with fused kernels: fused_decode.py, logits, the cache's length
+updates) with one launch. What a
 graph needs, fixed shapes and addresses, the static KVCache gives: its allocation never moves, the
 step reads lengths from the device, and attention covers the capacity with splits that exit early
 past a row's length (kernels.py). Sampling, finish checks and compression run outside the graph.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from services.rollout.engine.fused_decode import FusedDecoder
 from services.rollout.engine.kv_cache import KVCache
 from services.rollout.models.decoder import DecoderLM
 
@@ -29,7 +31,7 @@ class DecodeGraphs:
     def __init__(self, model: DecoderLM, cache: KVCache, positions: torch.Tensor) -> None:
         """positions [batch]: logical positions of the first generated tokens."""
         assert cache.static
-        self.model, self.cache = model, cache
+        self.decoder, self.cache = FusedDecoder(model), cache
         batch = positions.shape[0]
         self.tokens = torch.zeros(batch, dtype=torch.long, device=positions.device)
         self.positions = positions.clone()
@@ -40,8 +42,7 @@ class DecodeGraphs:
     def _step(self, b: int) -> torch.Tensor:
         positions = self.positions[:b]
         self.cache.record_positions(positions)
-        hidden = self.model(self.tokens[:b, None], positions[:, None], self.cache.decode_static)
-        logits = self.model.logits(hidden[:, 0])
+        logits = self.decoder(self.tokens[:b], positions, self.cache)
         self.cache.advance_static(b)
         positions += 1
         return logits

@@ -3,7 +3,8 @@
 All of them take the cache's per-row lengths from a device tensor, never from the host, so a decode
 step has the same shapes and launches at every length and can be captured in a CUDA graph:
 
-- `store_kv`: write one new token's K and V per (row, KV head) at slot `lengths[row]`.
+- `qkv_rope_store`: per decode token, q/k norm, RoPE, and the K/V write at slot `lengths[row]`.
+- `rms_norm`, `silu_mul`: the rest of a layer's elementwise work, one kernel each.
 - `decode_attention`: flash-decoding over the slots `[0, lengths[row] + 1)` of each row (the new
   token included): the G query heads of a KV head are the rows of one tile (no K/V repeat), the
   slots are cut into fixed splits whose partial softmax results one small kernel merges. Splits
@@ -24,8 +25,9 @@ try:  # Triton ships with CUDA builds of torch; without it the engine keeps its 
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-SPLIT = 256  # slots per split of decode attention (4 tiles of 64)
-_BLOCK_N = 64
+SPLIT = 256  # slots per split of decode attention
+_BLOCK_N = 64  # slots per tile
+_WARPS, _STAGES = 4, 2
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -38,18 +40,6 @@ def available() -> bool:
 
 
 if triton is not None:
-
-    @triton.jit
-    def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, len_ptr, sk_b, sk_h, sv_b, sv_h,
-                         sc_b, sc_h, sc_s, cap, n_kv_heads, D: tl.constexpr):
-        pid = tl.program_id(0)
-        b = pid // n_kv_heads
-        h = pid % n_kv_heads
-        slot = tl.minimum(tl.load(len_ptr + b), cap - 1)
-        d = tl.arange(0, D)
-        dest = b * sc_b + h * sc_h + slot * sc_s + d
-        tl.store(kc_ptr + dest, tl.load(k_ptr + b * sk_b + h * sk_h + d))
-        tl.store(vc_ptr + dest, tl.load(v_ptr + b * sv_b + h * sv_h + d))
 
     @triton.jit
     def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, o_ptr, lse_ptr,
@@ -140,6 +130,64 @@ if triton is not None:
         tl.store(latest_ptr + out, latest, mask=i < span)
         tl.store(value_ptr + out, value, mask=i < span)
 
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, eps, n, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        c = tl.arange(0, BLOCK)
+        ok = c < n
+        x = tl.load(x_ptr + row * n + c, mask=ok, other=0.0)
+        xf = x.to(tl.float32)
+        normed = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / n + eps)).to(x.dtype)
+        w = tl.load(w_ptr + c, mask=ok, other=0.0)
+        # RMSNorm.forward: weight * rms_norm(x), the norm rounded to x's dtype before the product.
+        tl.store(out_ptr + row * n + c, (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype), mask=ok)
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = c < n
+        g = tl.load(gu_ptr + row * 2 * n + c, mask=ok, other=0.0)
+        u = tl.load(gu_ptr + row * 2 * n + n + c, mask=ok, other=0.0)
+        gf = g.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # F.silu rounds to the input dtype
+        tl.store(out_ptr + row * n + c, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=ok)
+
+    @triton.jit
+    def _qkv_rope_store_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, len_ptr,
+                               win_ptr, next_ptr, s_qkv, sc_b, sc_h, sc_s, sw_b, sw_h, sw_s, cap, eps,
+                               HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
+                               WINDOW: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)  # query heads, then key heads, then value heads
+        d = tl.arange(0, D)
+        x = tl.load(qkv_ptr + b * s_qkv + h * D + d)
+        slot = tl.minimum(tl.load(len_ptr + b), cap - 1)
+        if h >= HQ + HKV:
+            tl.store(vc_ptr + b * sc_b + (h - HQ - HKV) * sc_h + slot * sc_s + d, x)
+            return
+        swap = tl.where(d < D // 2, d + D // 2, d - D // 2)
+        xs = tl.load(qkv_ptr + b * s_qkv + h * D + swap)
+        xf = x.to(tl.float32)
+        xsf = xs.to(tl.float32)
+        if QK_NORM:  # as the model's q_norm / k_norm: weight * rms_norm(x), rounded in between
+            r = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
+            is_q = h < HQ
+            w = tl.where(is_q, tl.load(qw_ptr + d), tl.load(kw_ptr + d)).to(tl.float32)
+            ws = tl.where(is_q, tl.load(qw_ptr + swap), tl.load(kw_ptr + swap)).to(tl.float32)
+            xf = ((xf * r).to(x.dtype).to(tl.float32) * w).to(x.dtype).to(tl.float32)
+            xsf = ((xsf * r).to(x.dtype).to(tl.float32) * ws).to(x.dtype).to(tl.float32)
+        # apply_rope: x * cos + swap_halves(x) * signed_sin, each product rounded to the dtype.
+        c = tl.load(cos_ptr + b * D + d).to(tl.float32)
+        sn = tl.load(sin_ptr + b * D + d).to(tl.float32)
+        out = ((xf * c).to(x.dtype).to(tl.float32) + (xsf * sn).to(x.dtype).to(tl.float32)).to(x.dtype)
+        if h < HQ:
+            tl.store(q_ptr + (b * HQ + h) * D + d, out)
+            if WINDOW:
+                tl.store(win_ptr + b * sw_b + h * sw_h + tl.load(next_ptr) * sw_s + d, out)
+        else:
+            tl.store(kc_ptr + b * sc_b + (h - HQ) * sc_h + slot * sc_s + d, out)
+
 
 def key_redundancy_stats(keys: torch.Tensor, lengths: torch.Tensor,
                          threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,14 +205,43 @@ def key_redundancy_stats(keys: torch.Tensor, lengths: torch.Tensor,
     return latest, value
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             lengths: torch.Tensor) -> None:
-    """k/v [b, Hkv, 1, D] -> k_cache/v_cache [>= b, Hkv, cap, D] (one layer) at slot lengths[row]."""
-    b, heads, _, dim = k.shape
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and k.stride(-1) == v.stride(-1) == 1
-    _store_kv_kernel[(b * heads,)](k, v, k_cache, v_cache, lengths, k.stride(0), k.stride(1), v.stride(0),
-                                   v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                                   k_cache.shape[2], heads, D=dim, num_warps=1)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The model's RMSNorm of contiguous rows x [b, n] in one kernel."""
+    b, n = x.shape
+    out = torch.empty_like(x)
+    _rms_norm_kernel[(b,)](x, weight, out, eps, n, BLOCK=triton.next_power_of_2(n), num_warps=4)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up [b, 2n] (gate first) -> [b, n], rounded as the MLP rounds."""
+    b, n2 = gate_up.shape
+    out = torch.empty((b, n2 // 2), dtype=gate_up.dtype, device=gate_up.device)
+    _silu_mul_kernel[(b, triton.cdiv(n2 // 2, 1024))](gate_up, out, n2 // 2, BLOCK=1024, num_warps=4)
+    return out
+
+
+def qkv_rope_store(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                   cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   lengths: torch.Tensor, q_window: torch.Tensor | None, q_next: torch.Tensor,
+                   num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """One decode token per row: qkv [b, (Hq + 2 Hkv) D] (the fused projection) -> rotated queries
+    [b, Hq, 1, D]. Also normalises q and k per head (Qwen3's q_norm / k_norm, when given), rotates
+    k, writes k and v at slot lengths[row] of k_cache/v_cache [>= b, Hkv, cap, D] and the rotated
+    queries at slot q_next of q_window [>= b, Hq, W, D] (when given): one kernel for what the
+    eager step does in ~13."""
+    b = qkv.shape[0]
+    dim = cos.shape[-1]
+    q = torch.empty((b, num_heads, 1, dim), dtype=qkv.dtype, device=qkv.device)
+    window = q_window if q_window is not None else q
+    assert qkv.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and window.stride(-1) == 1
+    _qkv_rope_store_kernel[(b, num_heads + 2 * num_kv_heads)](
+        qkv, q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, cos, sin, q,
+        k_cache, v_cache, lengths, window, q_next, qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), window.stride(0), window.stride(1), window.stride(2), k_cache.shape[2], eps,
+        HQ=num_heads, HKV=num_kv_heads, D=dim, QK_NORM=q_norm is not None, WINDOW=q_window is not None,
+        num_warps=1)
+    return q
 
 
 def attention_buffers(batch: int, num_heads: int, capacity: int, head_dim: int,
@@ -189,7 +266,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, lengths, partial, lse, q.stride(0), q.stride(1), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), capacity, scale, heads, splits,
         G=group, GP=max(16, triton.next_power_of_2(group)), D=dim, SPLIT_N=SPLIT, BLOCK_N=_BLOCK_N,
-        PRECISION=_precision(q.dtype), num_warps=4, num_stages=2)
+        PRECISION=_precision(q.dtype), num_warps=_WARPS, num_stages=_STAGES)
     out = torch.empty((b, num_heads, 1, dim), dtype=q.dtype, device=q.device)
     _attn_combine_kernel[(b * num_heads,)](partial, lse, out, splits, NSP=triton.next_power_of_2(splits),
                                           D=dim, num_warps=4)

@@ -17,8 +17,7 @@ that plan or allocate per shape do it a handful of times per batch, not every st
 
 A `static` cache (CUDA graphs, cuda_graphs.py) never reallocates: rows that leave the batch are
 compacted in place and the tensors above become views of the first live rows; its decode step
-(`decode_static`) reads lengths from the device (kernels.py), so one captured graph serves every
-step. Compression runs outside the graph, in place, as in the eager cache.
+(fused_decode.py) reads lengths from the device, so one captured graph serves every step. Compression runs outside the graph, in place, as in the eager cache.
 """
 
 from __future__ import annotations
@@ -175,16 +174,14 @@ class KVCache:
         full[:, :b].scatter_(3, slot.view(1, b, 1, 1).expand(shape),
                              positions.to(torch.int32).view(1, b, 1, 1).expand(shape))
 
-    def decode_static(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """AttendFn of a captured decode step over rows [0, b) of the allocation (b = graph bucket)."""
-        b = q.shape[0]
-        lengths = self._lengths_full[:b]
-        k_cache, v_cache = self._full["k"][layer], self._full["v"][layer]
-        kernels.store_kv(k, v, k_cache, v_cache, lengths)
+    def static_lengths(self, b: int) -> torch.Tensor:
+        """Stored tokens of rows [0, b) of the allocation (b = graph bucket), on the device."""
+        return self._lengths_full[:b]
+
+    def static_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(K, V, query ring or None) of one layer over the whole allocation, for fused_decode."""
         q_window = self._full["q_window"]
-        if q_window is not None:
-            q_window[layer, :b].index_copy_(2, self.q_next_t, q)
-        return kernels.decode_attention(q, k_cache, v_cache, lengths, self.scale, self.attn_buffers)
+        return self._full["k"][layer], self._full["v"][layer], None if q_window is None else q_window[layer]
 
     def advance_static(self, b: int) -> None:
         """Graph-safe end of a decode step on the device (the host side: end_decode_host)."""
