@@ -155,6 +155,7 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
         "shape": args.shape, "dtype": str(dtype).removeprefix("torch."), "prompt_tokens": args.prompt,
         "generated_tokens": gen, "batch": batch, "buffer": buffer, "fractions": fractions,
         "reuse_dense": args.reuse_dense, "kv_bytes_per_token": engine.kv_bytes_per_token(),
+        "cuda_graphs": engine.cuda_graphs,
         "ops_per_decode_step": {}, "policies": rows, "fixed_kv_memory": fixed, "transformers_generate": None,
     }
 

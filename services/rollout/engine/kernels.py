@@ -25,9 +25,12 @@ try:  # Triton ships with CUDA builds of torch; without it the engine keeps its 
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-SPLIT = 256  # slots per split of decode attention
-_BLOCK_N = 64  # slots per tile
-_WARPS, _STAGES = 4, 2
+# Decode-attention tiling, from a sweep on an H100 (split 256-1024 x tile 32-128 x 4/8 warps x 2/3
+# stages) at 0.6B batch 32 / 2K, batch 112 / 1.1K and 1.7B batch 16 / 4K: within 1% of the best of
+# each, 2.65-2.9 TB/s of K+V, 4-6% faster than 256 x 64 x 4 warps.
+SPLIT = 1024  # slots per split
+_BLOCK_N = 128  # slots per tile
+_WARPS, _STAGES = 8, 2
 
 
 def _precision(dtype: torch.dtype) -> str:
