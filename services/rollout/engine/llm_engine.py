@@ -24,6 +24,7 @@ from transformers import PretrainedConfig
 from services.rollout.engine import kernels
 from services.rollout.engine.config import GenerationOutput, KVConfig, SamplingParams, check_token_ids
 from services.rollout.engine.cuda_graphs import DecodeGraphs
+from services.rollout.engine.fused_decode import fuse_projections
 from services.rollout.engine.kv_cache import KVCache, cache_capacity
 from services.rollout.engine.sampler import sample
 from services.rollout.engine.sequence import Sequence
@@ -54,6 +55,10 @@ class LLMEngine:
         if cuda_graphs and not graphs_possible:
             raise ValueError("cuda_graphs needs a CUDA device and Triton")
         self.cuda_graphs = graphs_possible if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs:
+            # Now, not at the first generate: state_dict() hands out the fused buffers' views from
+            # the start, so no caller can hold a tensor that stops being the live weight.
+            fuse_projections(self.model)
         # Allocated KV bytes of the last batch (the cache itself, not per sequence): for benchmarks.
         self.last_batch_kv_bytes = 0
 
