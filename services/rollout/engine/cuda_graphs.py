@@ -48,18 +48,16 @@ class DecodeGraphs:
         return logits
 
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        cache = self.cache
         # Warm-up (compiles the Triton kernels, sets up cuBLAS) runs the step for real: put back
         # what it advanced. Its cache writes are the ones the next real step makes again.
-        saved = (cache._lengths_full.clone(), cache.q_next_t.clone(), self.positions.clone())
+        saved = self.cache.device_state(), self.positions.clone()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             self._step(b)
         torch.cuda.current_stream().wait_stream(stream)
-        cache._lengths_full.copy_(saved[0])
-        cache.q_next_t.copy_(saved[1])
-        self.positions.copy_(saved[2])
+        self.cache.restore_device_state(saved[0])
+        self.positions.copy_(saved[1])
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self._step(b)

@@ -189,6 +189,14 @@ class KVCache:
         if self.q_window is not None:
             self.q_next_t.add_(1).remainder_(self.kv.window)
 
+    def device_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What advance_static changes (for a graph's warm-up step to be undone)."""
+        return self._lengths_full.clone(), self.q_next_t.clone()
+
+    def restore_device_state(self, state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self._lengths_full.copy_(state[0])
+        self.q_next_t.copy_(state[1])
+
     def end_decode_host(self) -> None:
         self.lengths = [n + 1 for n in self.lengths]
         if self.q_window is not None:
