@@ -36,6 +36,7 @@ $(DEMO_STAMP): pyproject.toml
 VLLM_TESTS := tests/integration/test_vllm_engine.py
 test: setup
 	$(PY) -m ruff check shared services tests bench
+	$(PY) -m mypy
 	$(PY) -m pytest -q -m "not vllm and not slow" $(PYTEST_ARGS)
 	$(PY) -m pytest -q -m vllm $(VLLM_TESTS) $(PYTEST_ARGS)
 
@@ -49,6 +50,7 @@ test-fast: setup
 
 lint: setup
 	$(PY) -m ruff check shared services tests bench
+	$(PY) -m mypy
 
 demo: $(DEMO_STAMP)
 	$(PY) -m services.cli demo $(DEMO_ARGS)

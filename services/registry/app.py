@@ -13,20 +13,13 @@ from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.registry.core import (
-    KEY_PART,
-    OBJECT_FOLDERS,
-    RUN_NAME,
-    BadRange,
-    RedisAnnouncer,
-    Registry,
-    RegistryError,
-    UploadCheck,
-    UploadKind,
-)
+from services.registry.core import KEY_PART, OBJECT_FOLDERS, RUN_NAME, RedisAnnouncer, Registry
+from services.registry.errors import BadRange, RegistryError
+from services.registry.ranges import parse_range
 from services.registry.settings import RegistrySettings
+from services.registry.uploads import UploadCheck, UploadKind
 from shared.http import PROMETHEUS_TEXT, error_responses, install_error_handling
-from shared.registry_client import METRICS_HEADER, MODEL_FILES, Manifest, Plan
+from shared.registry.wire import METRICS_HEADER, MODEL_FILES, Manifest, Plan
 from shared.storage import ObjectStorage
 
 log = logging.getLogger(__name__)
@@ -140,7 +133,10 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
               "description": "the object, or the requested range (206)"},
         206: {"description": "a range of the object"}, **reads, **error_responses(416)})
     async def get_object(run: Run, key: ObjectKey, request: Request) -> Response:
-        store_key, start, end, size, partial = await registry.object_range(run, key, request.headers.get("range"))
+        store_key, size = await registry.object_size(run, key)
+        span = parse_range(request.headers.get("range"), size)
+        start, end = span if span else (0, size)
+        partial = span is not None
         headers = {"Accept-Ranges": "bytes", "Content-Length": str(end - start)}
         if partial:
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"

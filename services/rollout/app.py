@@ -40,10 +40,11 @@ from services.rollout.sync import (
 )
 from services.rollout.worker import LOOP as WORKER_LOOP
 from services.rollout.worker import RolloutWorker
+from shared.agreement import kv_policy_refusal
 from shared.coord import Coordinator, connect
 from shared.health import HealthMetrics, Liveness
 from shared.http import PROMETHEUS_TEXT, error_responses, install_error_handling
-from shared.registry_client import RegistryClient
+from shared.registry.client import RegistryClient
 from shared.retry import Outage, transient
 from shared.schemas import one_line_error
 
@@ -103,7 +104,7 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
         if settings.registry_url:
             bps = settings.sync_bandwidth_mbps * 1e6 if settings.sync_bandwidth_mbps else None
             client = RegistryClient(settings.registry_url, settings.run, streams=settings.sync_streams,
-                                    bandwidth_bps=bps, redis_url=settings.redis_url or None,
+                                    bandwidth_bps=bps, redis_url=settings.redis_url,
                                     redis_prefix=settings.redis_prefix)
         if settings.redis_url:
             state["redis"] = connect(settings.redis_url)
@@ -119,7 +120,8 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
                         await check_run_ready(client)
                     if state["core"] is None:
                         state["core"] = await build_core(settings, client)
-                    if state["core"].weights.version < 0:  # local weights that are no published version
+                    if state["core"].weights.version < 0 and client is not None:
+                        # local weights that are no published version
                         sync = WeightSync(state["core"], client, poll_s=settings.sync_poll_s)
                         await sync.sync_to(None)
                 except Exception as exc:
@@ -151,8 +153,8 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
         # The usual start (registry up, run published) completes here, so the server starts ready;
         # a model that cannot load fails the start-up at once, as before.
         await asyncio.wait({booting, asyncio.create_task(first_try.wait())}, return_when=asyncio.FIRST_COMPLETED)
-        if booting.done() and booting.exception() is not None:
-            raise booting.exception()
+        if booting.done() and (failure := booting.exception()) is not None:
+            raise failure
         if state["waiting"]:
             log.warning("rollout worker is up but not ready: %s", state["waiting"])
         try:
@@ -192,8 +194,8 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
     async def generate(req: GenerateRequest, core: RolloutCore = Depends(get_core)) -> GenerateResponse:
         prompts = req.prompt_ids if req.prompt_ids is not None else [core.encode(t) for t in req.prompts or []]
         check_budget(core, len(prompts) * req.n, req.max_tokens)
-        if core.engine.name == "vllm" and (req.kv_policy or "dense") != "dense":
-            raise HTTPException(400, f"kv_policy {req.kv_policy!r} needs the native engine; this worker runs vllm (dense)")
+        if refusal := kv_policy_refusal(core.engine.name, req.kv_policy):
+            raise HTTPException(400, refusal)
         try:
             core.check_lengths(prompts, req.max_tokens)
             kv = core.kv_config(req.kv_policy, req.kv_budget, **req.kv)
@@ -265,7 +267,7 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
         return WeightsInfo(version=w.version, fingerprint=w.fingerprint, sync_state=w.sync_state,
                            last_error=w.last_error, last_sync=w.last_sync, engine=core.engine.name,
                            history=list(sync.history) if sync else [],
-                           registry_url=settings.registry_url or None)
+                           registry_url=settings.registry_url)
 
     @app.get("/healthz")
     async def healthz(response: Response) -> dict:
@@ -337,7 +339,7 @@ def _cut_at_stop(core: RolloutCore, ids: list[int], logprobs: list[float], finis
         return ids, logprobs, finish
     text = ""
     for n, token in enumerate(ids):
-        text += core.tokenizer.decode([token])
+        text += str(core.tokenizer.decode([token]))
         if any(s in text for s in stops):
             return ids[:n], logprobs[:n], "stop"
     return ids, logprobs, finish

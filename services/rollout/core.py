@@ -19,11 +19,12 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from services.rollout.engine.config import GenerationOutput, KVConfig, SamplingParams, check_token_ids
 from services.rollout.settings import RolloutSettings
+from shared.agreement import DENSE_ONLY_ENGINES
+from shared.dtypes import DTYPES
 from shared.patch import fingerprint
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class Engine(Protocol):
@@ -101,10 +102,10 @@ class RolloutCore:
         return list(self.tokenizer(text).input_ids)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
     def kv_config(self, policy: str | None = None, budget: int | None = None, **extra: Any) -> KVConfig:
-        if self.engine.name == "vllm":
+        if self.engine.name in DENSE_ONLY_ENGINES:
             return KVConfig(policy="dense")
         return KVConfig(
             policy=policy or self.settings.kv_policy,

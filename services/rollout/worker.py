@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import time
@@ -24,6 +25,7 @@ from services.rollout.core import Batch, RolloutCore
 from services.rollout.engine.config import GenerationOutput, SamplingParams
 from services.rollout.settings import RolloutSettings
 from services.rollout.sync import WeightSync
+from shared.agreement import served_kv_policy
 from shared.coord import Coordinator, Lease
 from shared.health import Liveness
 from shared.retry import Outage, transient
@@ -64,7 +66,7 @@ class RolloutWorker:
 
     def info(self) -> WorkerInfo:
         core, s = self.core, self.settings
-        kv_policy = "dense" if core.engine.name == "vllm" else s.kv_policy
+        kv_policy = served_kv_policy(core.engine.name, s.kv_policy)
         return WorkerInfo(
             worker_id=s.worker_id,
             engine=core.engine.name,
@@ -75,6 +77,7 @@ class RolloutWorker:
             download_mbps=self.sync.download_mbps if self.sync else 0.0,
             leases=len(self.held),
             url=s.advertise_url or None,
+            sampling=self._sampling(),
         )
 
     async def heartbeat(self, stop: asyncio.Event) -> None:
@@ -154,7 +157,7 @@ class RolloutWorker:
                 await self._fail(lease, exc)
                 continue
             if reason:
-                await self._call(lambda lease=lease, reason=reason: self.coord.reject(lease, reason))
+                await self._call(functools.partial(self.coord.reject, lease, reason))
                 self.held.remove(lease)
                 continue
             runnable.append((lease, ids))

@@ -32,10 +32,14 @@ from services.trainer.evaluation import evaluate
 from services.trainer.learner import Learner
 from services.trainer.ledger import GroupLedger
 from services.trainer.settings import TrainerSettings
+from shared.agreement import sampling_mismatch
 from shared.coord import Coordinator
 from shared.health import Liveness
 from shared.patch import PatchHeader, extract_patch, fingerprint, read_header, save_snapshot
-from shared.registry_client import RegistryClient, RegistryHTTPError
+from shared.registry.client import RegistryClient
+from shared.registry.errors import RegistryHTTPError
+from shared.registry.sync import sync_weights
+from shared.registry.wire import MODEL_FILES
 from shared.retry import Outage, transient
 from shared.schemas import Trajectory
 from shared.tasks import get_task
@@ -43,8 +47,6 @@ from shared.tasks import get_task
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json")
 LOOP = "trainer"  # the name of the step loop in Liveness
 EVAL_SEED = 424_242  # held-out prompts and their sampling: the same at every evaluation
 
@@ -147,7 +149,7 @@ class Trainer:
                         self.version)
             state = self._cpu(self.published)
             base = self.version if self.version or self.step else None
-            result = await self._registry(lambda: self.registry.sync_to(state, base, latest.version))
+            result = await self._registry(lambda: sync_weights(self.registry, state, base, latest.version))
             self._load_published(state, result.version)
         else:
             raise RuntimeError(
@@ -294,20 +296,8 @@ class Trainer:
         return queued
 
     def sampling_mismatch(self, trajectory: Trajectory) -> str | None:
-        """Why the trainer cannot correct for how this trajectory was sampled, or None.
-
-        logp_old_dense is recomputed at the trainer's temperature over the full vocabulary, and the
-        recorded sampler log-probs are taken before top-k/top-p: a worker sampling at another
-        temperature or with a truncated distribution would make ξ measure that, not the KV cache.
-        """
-        got, s = trajectory.sampling, self.settings
-        if got is None:
-            return "the worker did not report its sampling parameters"
-        if got.temperature != s.temperature:
-            return f"sampled at temperature {got.temperature}, the trainer assumes {s.temperature}"
-        if got.top_p != s.top_p or got.top_k != 0:
-            return f"sampled with top_p={got.top_p}, top_k={got.top_k}; the trainer assumes top_p={s.top_p}, top_k=0"
-        return None
+        """Why the trainer cannot correct for how this trajectory was sampled, or None (shared.agreement)."""
+        return sampling_mismatch(self.settings, trajectory.sampling)
 
     def _accept(self, trajectory: Trajectory) -> bool:
         reason = self.sampling_mismatch(trajectory)
@@ -356,7 +346,7 @@ class Trainer:
         t_up = time.perf_counter()
         try:
             await self._registry(lambda: self._put_patch(target, patch, header, _jsonable(metrics)))
-            if self.settings.snapshot_every and target % self.settings.snapshot_every == 0:
+            if self.settings.upload_snapshot_every and target % self.settings.upload_snapshot_every == 0:
                 data = await asyncio.to_thread(save_snapshot, self._cpu(new_state), run=self.settings.run,
                                                version=target)
                 await self._registry(lambda: self.registry.publish_snapshot(target, data))

@@ -23,24 +23,15 @@ from typing import Literal
 import torch
 import zstandard
 
+from shared.dtypes import DTYPES
+
 from . import fused
 from .errors import CorruptPatchError, FormatError, TensorMismatchError, UnknownTensorError
-from .fingerprint import fingerprint
-from .format import WIDTHS, PatchHeader, Stream, TensorEntry, write_patch
+from .fingerprint import device_sums, digest, fingerprint
+from .format import WIDTHS, EncodedTensor, PatchHeader, Stream, TensorEntry, write_patch
 
 Encoding = Literal["auto", "values", "bitdelta"]
 ENCODINGS = ("values", "bitdelta")
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-}
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MAX_VARINT_BYTES = 9  # 9 * 7 = 63 bits: every non-negative int64
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a standard zstd frame (skippable frames use other magics)
@@ -183,21 +174,6 @@ def decompress(data: bytes | memoryview, raw_length: int, what: str) -> bytes:
 
 
 @dataclass
-class EncodedTensor:
-    """One tensor's streams, ready to be laid out by format.write_patch."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    encoding: str
-    count: int
-    index: bytes
-    index_raw_length: int
-    payload: bytes
-    payload_raw_length: int
-
-
-@dataclass
 class RawChange:
     """One tensor's changed elements before entropy coding (uint8 tensors on the host)."""
 
@@ -328,15 +304,26 @@ def changed_indices_and_fingerprint(
     old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]
 ) -> tuple[dict[str, torch.Tensor], str]:
     """(changed_indices(old, new), fingerprint(new)). On a CUDA device with Triton, one fused pass
-    over both copies (fused.py: no model-size intermediates, one host sync); elsewhere the two
-    torch paths. Same results either way, bit for bit."""
-    if _fused_applies(new):
-        if set(old) != set(new):
-            changed_indices(old, new)  # raises the usual error
-        for name in new:
-            check_pair(name, old[name], new[name])
-        return fused.extract_and_fingerprint(old, new)
-    return changed_indices(old, new), fingerprint(new)
+    over both copies (fused.py: no model-size intermediates, one host sync) for every tensor it
+    takes, the torch paths for the rest; elsewhere the torch paths. Same results, bit for bit."""
+    if not _fused_applies(new):
+        return changed_indices(old, new), fingerprint(new)
+    if set(old) != set(new):
+        changed_indices(old, new)  # raises the usual error
+    for name in new:
+        check_pair(name, old[name], new[name])
+    names = sorted(new)
+    taken = [n for n in names if fused.fusable(old[n], new[n])]
+    rest = [n for n in names if n not in set(taken)]
+    found, sums = fused.extract_and_sums({n: old[n] for n in taken}, {n: new[n] for n in taken})
+    if rest:  # the few odd tensors (views, tails): their own syncs
+        found.update(changed_indices({n: old[n] for n in rest}, {n: new[n] for n in rest}))
+        by_device: dict[torch.device, list[str]] = {}
+        for n in rest:
+            by_device.setdefault(new[n].device, []).append(n)
+        for members in by_device.values():
+            sums.update(zip(members, device_sums([new[n] for n in members]).cpu().tolist(), strict=True))
+    return {n: found[n] for n in names if n in found}, digest(new, sums)
 
 
 def diff_states(

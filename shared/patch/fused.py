@@ -14,7 +14,8 @@ once (a table of tensor addresses, one program per block of 64-bit words) do the
 Between them, one host transfer of the per-tensor counts and sums sizes the output; results equal
 `changed_indices(old, new)` and `fingerprint(new)` bit for bit. Only tensors that are contiguous,
 on one CUDA device, 8-byte aligned and a whole number of words long take the kernels (every weight
-of the supported models); any other tensor goes through the torch paths, so callers need not care.
+of the supported models); codec.changed_indices_and_fingerprint sends any other through the torch
+paths, so callers need not care.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .fingerprint import _COLUMN_MULTIPLIERS, _ROW, device_sums, digest
+from .fingerprint import _COLUMN_MULTIPLIERS, _ROW
 
 BLOCK_WORDS = 2048  # words per program: 2 multiplier rows, 16 KiB of each copy
 _WORD = 8
@@ -40,7 +41,8 @@ def available() -> bool:
     return triton is not None and torch.cuda.is_available()
 
 
-def _fusable(old: torch.Tensor, new: torch.Tensor) -> bool:
+def fusable(old: torch.Tensor, new: torch.Tensor) -> bool:
+    """Whether the kernels take this pair (else codec uses the torch paths for it)."""
     n_bytes = new.numel() * new.element_size()
     return (old.device == new.device and new.device.type == "cuda" and old.is_contiguous() and new.is_contiguous()
             and n_bytes > 0 and n_bytes % _WORD == 0 and old.data_ptr() % _WORD == 0
@@ -150,43 +152,31 @@ def _group_scan(old: list[torch.Tensor], new: list[torch.Tensor], elem: int):
     return bits, word0, inclusive - count, per_tensor_count, per_tensor_sum, blocks
 
 
-def extract_and_fingerprint(old: Mapping[str, torch.Tensor],
-                            new: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], str]:
-    """(changed_indices(old, new), fingerprint(new)) in one pass. Names, shapes and dtypes must
-    already be checked (codec.changed_indices_and_fingerprint does it)."""
+def extract_and_sums(old: Mapping[str, torch.Tensor],
+                     new: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """For tensors that are all `fusable`: (changed_indices(old, new), each new tensor's
+    fingerprint sum S) in one pass. codec.changed_indices_and_fingerprint is the entry point."""
     names = sorted(new)
-    fused = [n for n in names if _fusable(old[n], new[n])]
-    fused_set = set(fused)
-    rest = [n for n in names if n not in fused_set]
     groups: dict[tuple[torch.device, int], list[str]] = {}
-    for name in fused:
+    for name in names:
         groups.setdefault((new[name].device, new[name].element_size()), []).append(name)
-    scans = []
-    for (_, elem), members in groups.items():
-        scans.append((elem, members, _group_scan([old[n] for n in members], [new[n] for n in members], elem)))
+    scans = [(elem, members, _group_scan([old[n] for n in members], [new[n] for n in members], elem))
+             for (_, elem), members in groups.items()]
     found: dict[str, torch.Tensor] = {}
     sums: dict[str, int] = {}
-    if rest:  # the few odd tensors: the torch paths (their own syncs)
-        from .codec import changed_indices
-
-        found.update(changed_indices({n: old[n] for n in rest}, {n: new[n] for n in rest}))
-        by_device: dict[torch.device, list[str]] = {}
-        for n in rest:
-            by_device.setdefault(new[n].device, []).append(n)
-        for members in by_device.values():
-            sums.update(zip(members, device_sums([new[n] for n in members]).cpu().tolist(), strict=True))
-    if scans:
-        # The one sync: every group's per-tensor counts and sums in one transfer per device.
-        host = torch.cat([torch.stack([s[3], s[4]]) for _, _, s in scans], dim=1).cpu().tolist()
-        at = 0
-        for elem, members, (bits, word0, offset, _, _, blocks) in scans:
-            counts = host[0][at: at + len(members)]
-            sums.update(zip(members, host[1][at: at + len(members)], strict=True))
-            at += len(members)
-            out = torch.empty(sum(counts), dtype=torch.int64, device=bits.device)
-            if out.numel():
-                _compact_kernel[(blocks,)](bits, word0, offset, out, ELEM=elem, BW=BLOCK_WORDS, num_warps=8)
-            for name, indices in zip(members, out.split(counts), strict=True):
-                if indices.numel():
-                    found[name] = indices
-    return {n: found[n] for n in names if n in found}, digest(new, sums)
+    if not scans:
+        return found, sums
+    # The one sync: every group's per-tensor counts and sums in one transfer.
+    host = torch.cat([torch.stack([s[3], s[4]]) for _, _, s in scans], dim=1).cpu().tolist()
+    at = 0
+    for elem, members, (bits, word0, offset, _, _, blocks) in scans:
+        counts = host[0][at: at + len(members)]
+        sums.update(zip(members, host[1][at: at + len(members)], strict=True))
+        at += len(members)
+        out = torch.empty(sum(counts), dtype=torch.int64, device=bits.device)
+        if out.numel():
+            _compact_kernel[(blocks,)](bits, word0, offset, out, ELEM=elem, BW=BLOCK_WORDS, num_warps=8)
+        for name, indices in zip(members, out.split(counts), strict=True):
+            if indices.numel():
+                found[name] = indices
+    return found, sums

@@ -15,6 +15,8 @@ captured when first needed, all into one memory pool.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from services.rollout.engine.fused_decode import FusedDecoder
@@ -37,7 +39,7 @@ class DecodeGraphs:
         self.positions = positions.clone()
         self.buckets = buckets(batch)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool = None
+        self._pool: Any = None  # the graphs' shared memory pool, from the first capture
 
     def _step(self, b: int) -> torch.Tensor:
         positions = self.positions[:b]

@@ -15,13 +15,17 @@ twice.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from services.rollout.engine import kernels
 from services.rollout.engine.kv_cache import KVCache
-from services.rollout.models.decoder import DecoderLM
+from services.rollout.models.decoder import MLP, Attention, DecoderLayer, DecoderLM, RMSNorm
+
+Fused = list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]]
 
 
 def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -39,16 +43,21 @@ def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, bias
 
 
-def fuse_projections(model: DecoderLM) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
-                                                     torch.Tensor | None]]:
+def _parts(layer: nn.Module) -> tuple[DecoderLayer, Attention, MLP]:
+    decoder_layer = cast(DecoderLayer, layer)
+    return decoder_layer, cast(Attention, decoder_layer.self_attn), cast(MLP, decoder_layer.mlp)
+
+
+def fuse_projections(model: DecoderLM) -> Fused:
     """Per layer (qkv weight, qkv bias, gate_up weight, gate_up bias); idempotent."""
-    fused = getattr(model, "_fused_projections", None)
+    fused: Fused | None = getattr(model, "_fused_projections", None)
     if fused is None:
         fused = []
         for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            fused.append((*_fuse([attn.q_proj, attn.k_proj, attn.v_proj]), *_fuse([mlp.gate_proj, mlp.up_proj])))
-        model._fused_projections = fused
+            _, attn, mlp = _parts(layer)
+            linears = [cast(nn.Linear, m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)]
+            fused.append((*_fuse(linears[:3]), *_fuse(linears[3:])))
+        setattr(model, "_fused_projections", fused)  # noqa: B010 - not a module attribute torch tracks
     return fused
 
 
@@ -72,20 +81,24 @@ class FusedDecoder:
         cos, sin = model.model.rotary_emb(positions[:, None], x.dtype)
         cos, sin = cos.reshape(b, -1).contiguous(), sin.reshape(b, -1).contiguous()
         lengths = cache.static_lengths(b)
-        for i, layer in enumerate(model.model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
+        for i, module in enumerate(model.model.layers):
+            layer, attn, mlp = _parts(module)
             qkv_w, qkv_b, gu_w, gu_b = self.fused[i]
-            norm = layer.input_layernorm
-            qkv = F.linear(kernels.rms_norm(x, norm.weight, norm.eps), qkv_w, qkv_b)
+            qkv = F.linear(_norm(x, layer.input_layernorm), qkv_w, qkv_b)
             k_cache, v_cache, q_window = cache.static_layer(i)
+            q_norm, k_norm = (cast(RMSNorm, attn.q_norm), cast(RMSNorm, attn.k_norm)) if attn.qk_norm else (None, None)
             q = kernels.qkv_rope_store(
-                qkv, attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None,
-                attn.q_norm.eps if attn.qk_norm else 0.0, cos, sin, k_cache, v_cache, lengths, q_window,
+                qkv, q_norm.weight if q_norm else None, k_norm.weight if k_norm else None,
+                q_norm.eps if q_norm else 0.0, cos, sin, k_cache, v_cache, lengths, q_window,
                 cache.q_next_t, attn.num_heads, attn.num_kv_heads)
-            out = kernels.decode_attention(q, k_cache, v_cache, lengths, cache.scale, cache.attn_buffers)
-            x = _residual(x, out.view(b, -1), attn.o_proj)
-            norm = layer.post_attention_layernorm
-            gate_up = F.linear(kernels.rms_norm(x, norm.weight, norm.eps), gu_w, gu_b)
-            x = _residual(x, kernels.silu_mul(gate_up), mlp.down_proj)
-        norm = model.model.norm
-        return model.logits(kernels.rms_norm(x, norm.weight, norm.eps))
+            out = kernels.decode_attention(q, k_cache, v_cache, lengths, attn.head_dim ** -0.5,
+                                           cache.attn_buffers)
+            x = _residual(x, out.view(b, -1), cast(nn.Linear, attn.o_proj))
+            gate_up = F.linear(_norm(x, layer.post_attention_layernorm), gu_w, gu_b)
+            x = _residual(x, kernels.silu_mul(gate_up), cast(nn.Linear, mlp.down_proj))
+        return model.logits(_norm(x, model.model.norm))
+
+
+def _norm(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    norm = cast(RMSNorm, module)
+    return kernels.rms_norm(x, norm.weight, norm.eps)

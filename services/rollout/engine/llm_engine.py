@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import PretrainedConfig
 
 from services.rollout.engine import kernels
+from services.rollout.engine.attention import CacheAttention
 from services.rollout.engine.config import GenerationOutput, KVConfig, SamplingParams, check_token_ids
 from services.rollout.engine.cuda_graphs import DecodeGraphs
 from services.rollout.engine.fused_decode import fuse_projections
@@ -109,8 +110,9 @@ class LLMEngine:
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p)
         ids = ids.to(dev)
-        cache.begin_prefill(width)
-        hidden = model(ids, torch.arange(width, device=dev).expand(batch, width), cache.prefill)
+        attention = CacheAttention(cache)
+        attention.begin_prefill(width)
+        hidden = model(ids, torch.arange(width, device=dev).expand(batch, width), attention.prefill)
         lengths_t = torch.tensor(lengths, device=dev)
         logits = model.logits(hidden[torch.arange(batch, device=dev), lengths_t - 1])
         for s in seqs:
@@ -149,11 +151,11 @@ class LLMEngine:
                     tokens, positions = tokens.index_select(0, index), positions.index_select(0, index)
             if graphs is not None:
                 logits = graphs.step(tokens)
-                cache.end_decode_host()
+                cache.advance()
             else:
-                cache.begin_decode(positions)
-                hidden = model(tokens[:, None], positions[:, None], cache.decode)
-                cache.end_decode()
+                attention.begin_decode(positions)
+                hidden = model(tokens[:, None], positions[:, None], attention.decode)
+                attention.end_decode()
                 positions = positions + 1
             for s, n in zip(rows, cache.lengths, strict=True):
                 if not s.finished:
