@@ -23,9 +23,9 @@ from typing import Literal
 import torch
 import zstandard
 
+import shared.patch.fused as fused
 from shared.dtypes import DTYPES
 
-from . import fused
 from .errors import CorruptPatchError, FormatError, TensorMismatchError, UnknownTensorError
 from .fingerprint import device_sums, digest, fingerprint
 from .format import WIDTHS, EncodedTensor, PatchHeader, Stream, TensorEntry, write_patch

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.rollout.engine import kernels
+import services.rollout.engine.kernels as kernels
 from services.rollout.engine.kv_cache import KVCache
 from services.rollout.models.decoder import MLP, Attention, DecoderLayer, DecoderLM, RMSNorm
 

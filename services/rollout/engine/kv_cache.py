@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from services.rollout.engine import kernels
+import services.rollout.engine.kernels as kernels
 from services.rollout.engine.config import KVConfig
 from services.rollout.engine.policies import EvictionPolicy, make_policy
 

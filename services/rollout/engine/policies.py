@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from services.rollout.engine import kernels
+import services.rollout.engine.kernels as kernels
 from services.rollout.engine.attention_weights import grouped_probs
 from services.rollout.engine.config import KVConfig
 
