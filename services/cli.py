@@ -7,6 +7,7 @@ Talks to the services' REST APIs only (docs/cli.md). Exit codes scripts can rely
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -20,9 +21,15 @@ from rich.markup import escape
 
 from services.views import human_bytes, registry_version_row, step_summary, versions_table, workers_table
 from shared.kv import KV_POLICIES
+from shared.schemas import DEFAULT_RUN
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# Where a stack's token lives, for the 401 message.
+TOKEN_HELP = ("pass --token or set SPARSECAST_API_TOKEN to the token the services run with: "
+              "deploy/env/sparsecast.env (or sparsecast.local.env) under docker compose; "
+              "the release's Secret under Helm (kubectl get secret RELEASE-sparsecast-secrets -o jsonpath="
+              "'{.data.SPARSECAST_API_TOKEN}' | base64 -d); the one `sparsecast demo` prints")
 
 console = Console(highlight=False)
 errors = Console(stderr=True, highlight=False)
@@ -57,7 +64,12 @@ class Service:
                 detail = response.json().get("detail", response.text)
             except ValueError:
                 detail = response.text
-            raise CLIError(f"the {self.name} answered {response.status_code} to {method} {path}: {detail}")
+            hint = ""
+            if response.status_code == 401:
+                hint = ("; no token was sent: " if "Authorization" not in self.client.headers
+                        else "; the token was refused: ") + TOKEN_HELP
+            raise CLIError(f"the {self.name} answered {response.status_code} to {method} {path}: "
+                           f"{detail}{hint}")
         try:
             return response.json()
         except ValueError as exc:
@@ -137,6 +149,31 @@ def cmd_versions(args: argparse.Namespace) -> int:
         dense = sum(r["dense_bytes"] for r in patches)
         console.print(f"{len(patches)} patches: {human_bytes(shipped)} shipped instead of {human_bytes(dense)} "
                       f"of dense weights ({dense / shipped:.0f}x less)")
+    return EXIT_OK
+
+
+def cmd_control(args: argparse.Namespace) -> int:
+    """pause, resume, checkpoint: the trainer's control calls (they need the token)."""
+    paths = {"pause": "/v1/train/pause", "resume": "/v1/train/resume", "checkpoint": "/v1/checkpoint"}
+    path = paths[args.command]
+    result = trainer(args).request("POST", path)
+    if args.json:
+        print_json(result)
+    elif args.command == "checkpoint":
+        console.print(f"checkpoint of step {result['step']} (v{result['version']}) "
+                      f"written to {result['path']}")
+    else:
+        console.print(f"training {'paused' if result['paused'] else 'resumed'} at step {result['step']}")
+    return EXIT_OK
+
+
+def cmd_tasks(args: argparse.Namespace) -> int:
+    result = trainer(args).request("GET", "/v1/tasks")
+    if args.json:
+        print_json(result)
+    else:
+        console.print("tasks: " + ", ".join(f"{t} (default)" if t == result.get("default") else t
+                                            for t in result["tasks"]))
     return EXIT_OK
 
 
@@ -225,6 +262,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # -- the parser --
 
 
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("sparsecast")
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -263,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit status: 0 ok, 1 a service was unreachable or answered with an error, 2 bad usage. "
                "See docs/cli.md.",
     )
+    parser.add_argument("--version", action="version", version=f"sparsecast {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser(
@@ -326,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "step's reward. Reads the trainer, or the registry directly when --registry-url is given.")
     versions.add_argument("--registry-url", default=env("SPARSECAST_REGISTRY_URL") or None,
                           help="ask this registry instead of the trainer (env SPARSECAST_REGISTRY_URL)")
-    versions.add_argument("--run", default=env("SPARSECAST_RUN", "default"),
+    versions.add_argument("--run", default=env("SPARSECAST_RUN", DEFAULT_RUN),
                           help="run name at the registry (env SPARSECAST_RUN; default %(default)s)")
     versions.add_argument("--last", type=int, default=20, help="rows to show, 0 for all (default %(default)s)")
     versions.set_defaults(func=cmd_versions)
@@ -335,6 +380,18 @@ def build_parser() -> argparse.ArgumentParser:
                              description="List the registered rollout workers: engine, KV policy, weight version "
                                          "and lag behind the trainer, leases held, tokens/s, download speed.")
     workers.set_defaults(func=cmd_workers)
+
+    for name, summary in (
+        ("pause", "pause training after the current step (needs the token)"),
+        ("resume", "resume paused training (needs the token)"),
+        ("checkpoint", "write a checkpoint now, once the last version is published (needs the token)"),
+    ):
+        control = sub.add_parser(name, parents=[connection, output], help=summary,
+                                 description=summary[0].upper() + summary[1:] + ".")
+        control.set_defaults(func=cmd_control)
+    tasks = sub.add_parser("tasks", parents=[connection, output], help="the trainer's reward tasks",
+                           description="List the tasks the trainer can reward, and its default one.")
+    tasks.set_defaults(func=cmd_tasks)
 
     bench = sub.add_parser("bench", parents=[output], help="run a benchmark (python -m bench.NAME)",
                            description="Run python -m bench.NAME with the remaining arguments; without NAME, list "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from rich import box
 from rich.table import Table
 
 
@@ -36,24 +37,29 @@ def step_summary(row: dict[str, Any]) -> str:
 
 
 def workers_table(workers: list[dict[str, Any]], trainer_version: int | None) -> Table:
-    table = Table(title="rollout workers", title_justify="left")
-    for column in ("worker", "engine", "KV policy", "version", "lag", "leases", "tokens/s", "download", "url"):
-        table.add_column(column, justify="right" if column in ("version", "lag", "leases", "tokens/s") else "left")
+    """Fits 80 columns: short headers, and the url column only when some worker advertises one."""
+    with_url = any(w.get("url") for w in workers)
+    table = Table(title="rollout workers", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    columns = ("worker", "engine", "KV", "ver", "lag", "leases", "tok/s", "Mbit/s") + (("url",) if with_url else ())
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("worker", "engine", "KV", "url") else "right",
+                         overflow="fold")
     now = time.time()
     for w in sorted(workers, key=lambda w: w["worker_id"]):
         policy = w["kv_policy"] + (f"@{w['kv_budget']}" if w.get("kv_budget") else "")
         lag = "-" if trainer_version is None else str(max(0, trainer_version - w["weight_version"]))
         seen = now - w.get("updated_at", now)
         worker = w["worker_id"] + (f" (seen {seen:.0f}s ago)" if seen > 10 else "")
-        table.add_row(worker, w["engine"], policy, f"v{w['weight_version']}", lag, str(w["leases"]),
-                      f"{w['tokens_per_s']:.0f}", f"{w['download_mbps']:.1f} Mbit/s", w.get("url") or "-")
+        row = [worker, w["engine"], policy, f"v{w['weight_version']}", lag, str(w["leases"]),
+               f"{w['tokens_per_s']:.0f}", f"{w['download_mbps']:.1f}"]
+        table.add_row(*row, *([w.get("url") or "-"] if with_url else []))
     return table
 
 
 def versions_table(rows: list[dict[str, Any]], limit: int) -> Table:
-    table = Table(title="published versions", title_justify="left")
-    for column in ("version", "from", "patch", "snapshot", "dense", "smaller", "changed", "reward", "accuracy"):
-        table.add_column(column, justify="right")
+    table = Table(title="published versions", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ("ver", "from", "patch", "snapshot", "dense", "smaller", "changed", "reward", "acc"):
+        table.add_column(column, justify="right", no_wrap=True)
     for row in rows[-limit:] if limit else rows:
         metrics = row.get("metrics") or {}
         table.add_row(f"v{row['version']}", "-" if row.get("base_version") is None else f"v{row['base_version']}",

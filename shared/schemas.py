@@ -11,6 +11,9 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+# The run name every service, the CLI, compose, the chart and the demo use unless told otherwise.
+DEFAULT_RUN = "demo"
+
 
 def _encodable(text: str) -> str:
     # JSON may carry a lone surrogate (e.g. "\ud800"): a str that no UTF-8 consumer (tokenizer,
@@ -108,6 +111,9 @@ class WorkerInfo(BaseModel):
     weight_version: int = Field(default=0, ge=0)
     tokens_per_s: float = Field(default=0.0, ge=0.0)  # measured generation throughput; 0 = unknown
     download_mbps: float = Field(default=0.0, ge=0.0)  # measured patch download bandwidth
+    # Share of recent wall time generation waited on weight sync (applying under the engine lock,
+    # or idle while too far behind): the scheduler discounts tokens_per_s by it.
+    sync_stall: float = Field(default=0.0, ge=0.0, le=1.0)
     leases: int = Field(default=0, ge=0)
     url: str | None = None
     # How it samples (the trainer flags a worker whose sampling it would refuse, shared.agreement).

@@ -12,13 +12,15 @@ from typing import Any, get_args
 from pydantic import ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.schemas import DEFAULT_RUN
+
 
 class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPARSECAST_", env_nested_delimiter="__", extra="ignore")
 
     host: str = "127.0.0.1"  # loopback unless told otherwise; off loopback an API token is required
     port: int
-    run: str = "default"
+    run: str = DEFAULT_RUN
     # Bearer token of the service's writes; each service says what "unset" does.
     api_token: str | None = None
     redis_url: str | None = None

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-RUN = "demo"
+from shared.schemas import DEFAULT_RUN
+
+RUN = DEFAULT_RUN
 TASK = "addition"
 
 # The demo's KV budget: addition answers are 42-103 tokens, so Sparse-RL's 512 would never evict.

@@ -33,6 +33,7 @@ import torch
 from services.registry.errors import Conflict, Invalid, NotFound
 from services.registry.merge import Merger
 from services.registry.metrics import RegistryMetrics
+from services.registry.peers import PeerDirectory
 from services.registry.planner import cheapest_plan
 from services.registry.retention import retain
 from services.registry.runs import RunState, object_ref, piece_hashes, stored
@@ -40,6 +41,7 @@ from services.registry.settings import RegistrySettings
 from shared.coord.keys import Keys
 from shared.patch import apply_patch, load_snapshot, read_header, save_snapshot, verify_chunks
 from shared.registry.wire import MODEL_FILES, Manifest, ObjectRef, Plan
+from shared.relay import WORKER_ID, PeerAnnouncement, PeerList
 from shared.storage import ObjectNotFound, ObjectStorage
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,7 @@ class Registry:
         self.metrics = metrics or RegistryMetrics()
         self.announce = announce
         self._runs: dict[str, RunState] = {}
+        self.peers = PeerDirectory(settings.peer_ttl_s, settings.peer_max_listed)
         self._loading = asyncio.Lock()
         self.merger = Merger(storage, settings, self.metrics, self._read_verified, self.state_at)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -323,8 +326,23 @@ class Registry:
 
     # -- planning (services.registry.planner), merges (.merge), retention (.retention) --
 
+    async def announce_peer(self, run: str, worker: str, body: PeerAnnouncement) -> PeerList:
+        """A worker holds (or is fetching) these objects and serves them at body.url (shared.relay)."""
+        await self._run(run)
+        if not WORKER_ID.fullmatch(worker):
+            raise Invalid(f"bad worker id {worker!r}")
+        for key in body.objects:
+            self.object_key(run, key)  # refuses keys outside the run's folders
+        return PeerList(peers=self.peers.announce(run, worker, body.url, body.objects))
+
+    async def leave_peer(self, run: str, worker: str) -> None:
+        await self._run(run)
+        if not self.peers.leave(run, worker):
+            raise NotFound(f"worker {worker!r} is not a peer of run {run!r}")
+
     async def plan(
-        self, run: str, from_version: int | None, to_version: int | None, *, build_merges: bool = True
+        self, run: str, from_version: int | None, to_version: int | None, *, build_merges: bool = True,
+        peer: str | None = None,
     ) -> Plan:
         """The cheapest way from `from_version` to `to_version`. Without `build_merges` (an
         unauthenticated read) a missing merged patch is not built: the plan uses what is stored,
@@ -337,7 +355,8 @@ class Registry:
 
         plan = await cheapest_plan(run, state, target, from_version, self.settings, merged_for)
         self.metrics.plans.labels(plan.kind).inc()
-        return plan
+        peers = {st.object.key: self.peers.holders(run, st.object.key, exclude=peer) for st in plan.steps}
+        return plan.model_copy(update={"peers": {k: v for k, v in peers.items() if v}})
 
     async def retain(self, run: str) -> int:
         """Delete what retention no longer keeps (services.registry.retention); returns the count."""

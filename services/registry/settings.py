@@ -36,6 +36,10 @@ class RegistrySettings(ServiceSettings):
     # when the next versions are published, at most max_publish_merges per publish.
     merge_demand_s: float = Field(default=600.0, ge=0)
     max_publish_merges: int = Field(default=4, ge=0)
+    # Relay fan-out (shared.relay): a worker's announcement of the objects it serves lasts this
+    # long; plans and announcements list at most peer_max_listed peers per object.
+    peer_ttl_s: float = Field(default=60.0, gt=0)
+    peer_max_listed: int = Field(default=3, ge=0)
 
     def s3_options(self) -> S3Options:
         return S3Options(

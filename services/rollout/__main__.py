@@ -3,21 +3,29 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import uvicorn
 
-from services.rollout.app import create_app
 from services.rollout.settings import RolloutSettings
 from shared.http import require_token_off_loopback
+from shared.settings_help import handle_cli
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    code = handle_cli(argv, "python -m services.rollout", __doc__ or "", RolloutSettings)
+    if code is not None:
+        return code
+    from services.rollout.app import create_app  # after --help: the app imports torch
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout %(levelname)s %(name)s: %(message)s")
     settings = RolloutSettings()
     require_token_off_loopback("rollout", settings.host, settings.api_token)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
                 timeout_graceful_shutdown=30)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import ValidationError
 
@@ -45,6 +46,7 @@ from shared.coord import Coordinator, connect
 from shared.health import HealthMetrics, Liveness
 from shared.http import PROMETHEUS_TEXT, error_responses, install_error_handling
 from shared.registry.client import RegistryClient
+from shared.relay import RELAY_PATH, Holdings, Relay, relay_endpoint
 from shared.retry import Outage, transient
 from shared.schemas import one_line_error
 
@@ -94,6 +96,7 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
     state: dict = {"core": core, "sync": None, "worker": None, "waiting": None, "redis": None}
     liveness = Liveness()
     outages = {"redis": Outage("redis", log), "registry": Outage("registry", log)}
+    holdings = Holdings()
     health_metrics = HealthMetrics(metrics.registry, "rollout")
 
     @contextlib.asynccontextmanager
@@ -105,7 +108,9 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
             bps = settings.sync_bandwidth_mbps * 1e6 if settings.sync_bandwidth_mbps else None
             client = RegistryClient(settings.registry_url, settings.run, streams=settings.sync_streams,
                                     bandwidth_bps=bps, redis_url=settings.redis_url,
-                                    redis_prefix=settings.redis_prefix)
+                                    redis_prefix=settings.redis_prefix, token=settings.registry_token)
+            if settings.relay:
+                client.downloader.relay = Relay(settings.worker_id, settings.advertise_url, holdings)
         if settings.redis_url:
             state["redis"] = connect(settings.redis_url)
         first_try = asyncio.Event()
@@ -165,13 +170,19 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
                 with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
                     await asyncio.wait_for(task, timeout=30)
             if client is not None:
+                if isinstance(client.downloader.relay, Relay):
+                    await client.downloader.relay.aclose()
                 await client.aclose()
             if state["redis"] is not None:
                 await state["redis"].aclose()
 
-    app = FastAPI(title="sparsecast rollout", version="0.1.0", lifespan=lifespan, responses=error_responses(422),
-                  description="Sparse-KV generation, an OpenAI completions subset, live weight sync.")
+    # /docs and /redoc with their scripts served by the app itself (no CDN: they work offline).
+    app = FastAPIOffline(title="sparsecast rollout", version="0.1.0", lifespan=lifespan,
+                         responses=error_responses(422),
+                         description="Sparse-KV generation, an OpenAI completions subset, live weight sync.")
     install_error_handling(app)
+    if settings.relay:  # peers fetch the pieces this worker verified (shared.relay)
+        app.add_route(RELAY_PATH, relay_endpoint(holdings), methods=["GET"], include_in_schema=False)
     bearer = HTTPBearer(auto_error=False)
     generation = error_responses(400, 401, 413, 503)
 

@@ -6,7 +6,7 @@ import os
 import socket
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from shared.coord import CoordSettings
 from shared.dtypes import ModelDtype
@@ -42,6 +42,10 @@ class RolloutSettings(ModelServiceSettings):
     sync_streams: int = Field(default=4, ge=1)
     sync_bandwidth_mbps: float | None = Field(default=None, gt=0, description="emulate a slow link")
     sync_poll_s: float = Field(default=2.0, gt=0)
+    # Relay fan-out (shared.relay): serve verified pieces to peers at advertise_url and fetch from
+    # peers first; announcing to the registry needs its token.
+    relay: bool = False
+    registry_token: str | None = None
 
     # Lease-driven worker loop (on when redis_url is set).
     worker_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
@@ -53,3 +57,10 @@ class RolloutSettings(ModelServiceSettings):
     # /healthz reports a background loop stuck when it makes no progress for this long: one
     # generation batch (or a model load) must fit in it (docs/coordination.md).
     stall_s: float = Field(default=600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _relay_needs_its_addresses(self) -> RolloutSettings:
+        if self.relay and not (self.registry_url and self.advertise_url and self.registry_token):
+            raise ValueError("relay needs registry_url, advertise_url (where peers reach this worker) "
+                             "and registry_token (to announce to the registry)")
+        return self

@@ -80,7 +80,7 @@ class EngineWeights(WeightTarget):
         return self.core.engine.state_dict()
 
     def writing(self) -> contextlib.AbstractAsyncContextManager[object]:
-        return self.core.engine_lock
+        return self.core.weights_swap()  # the engine lock; its hold counts as stalled on sync
 
     def updated(self, names: set[str]) -> None:
         self.core.engine.weights_updated(names)

@@ -75,6 +75,7 @@ class RolloutWorker:
             weight_version=core.weights.version,
             tokens_per_s=core.tokens_per_s,
             download_mbps=self.sync.download_mbps if self.sync else 0.0,
+            sync_stall=core.sync_stall.share(),
             leases=len(self.held),
             url=s.advertise_url or None,
             sampling=self._sampling(),
@@ -135,9 +136,11 @@ class RolloutWorker:
         """One round: claim what the scheduler allows, then generate, score and complete it."""
         size = await self.coord.claim_size(self.settings.worker_id)
         if size == 0:  # lagging: let the weight sync catch up before taking work
+            t0 = time.perf_counter()
             await self.coord.register_worker(self.info())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), timeout=0.5)
+            self.core.sync_stall.add(time.perf_counter() - t0)
             return
         leases = await self.coord.claim(self.settings.worker_id, size, block_ms=500)
         if leases:

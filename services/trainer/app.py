@@ -14,10 +14,11 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
+from fastapi_offline import FastAPIOffline
 
 from services.trainer.core import Trainer
 from services.trainer.intake import IntakeError, PromptsAccepted, PromptsRequest, json_prompts, parse_jsonl
-from services.trainer.service import TrainerService, Unavailable
+from services.trainer.service import THROUGHPUT_EVERY_S, TrainerService, Unavailable
 from services.trainer.settings import TrainerSettings
 from shared.http import PROMETHEUS_TEXT, BodyLimit, error_responses, inline_schema, install_error_handling
 from shared.tasks import list_tasks
@@ -45,8 +46,11 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
         async with service.running():
             yield
 
-    app = FastAPI(title="sparsecast trainer", version="0.1.0", lifespan=lifespan, responses=error_responses(422),
-                  description="GRPO with Sparse-RL corrections; a sparse weight patch published every step.")
+    # /docs and /redoc with their scripts served by the app itself (no CDN: they work offline).
+    app = FastAPIOffline(title="sparsecast trainer", version="0.1.0", lifespan=lifespan,
+                         responses=error_responses(422),
+                         description="GRPO with Sparse-RL corrections; a sparse weight patch published "
+                                     "every step.")
     install_error_handling(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     bearer = HTTPBearer(auto_error=False)
@@ -107,6 +111,21 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
     @app.get("/v1/metrics/history")
     async def history(since: int = Query(0, ge=0, description="steps after this one")) -> dict:
         return {"history": service.history(since)}
+
+    @app.get("/v1/metrics/throughput")
+    async def throughput_history(
+            since: float = Query(0.0, ge=0, description="samples after this Unix time")) -> dict:
+        """Each rollout worker's tokens/s as the server sampled it every `interval_s` (last hour)."""
+        return {"interval_s": THROUGHPUT_EVERY_S, "samples": service.throughput_since(since)}
+
+    @app.get("/v1/leases", responses=error_responses(503))
+    async def leases(limit: int = Query(100, ge=1, le=1000, description="rows of each list")) -> dict:
+        """Leases held now (holder, seconds to expiry, reclaims; expired or released ones wait for
+        the next claim) and the dead letters with their reasons."""
+        try:
+            return await service.leases(limit)
+        except Unavailable as exc:
+            raise HTTPException(503, str(exc)) from exc
 
     @app.post("/v1/train/pause", dependencies=[Depends(authorize)], responses=controls)
     async def pause(trainer: Trainer = Depends(get_trainer)) -> dict:

@@ -5,9 +5,11 @@ is a thin FastAPI layer over this; services.trainer.core.Trainer is the step loo
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,10 @@ log = logging.getLogger(__name__)
 REGISTRY_RETRIES = 1
 # How long /readyz waits for Redis and the registry to answer.
 PROBE_TIMEOUT_S = 2.0
+# Worker throughput is sampled by the server (not by whoever has the dashboard open): every
+# THROUGHPUT_EVERY_S seconds, the last THROUGHPUT_SAMPLES kept (one hour).
+THROUGHPUT_EVERY_S = 5.0
+THROUGHPUT_SAMPLES = 720
 
 
 class Unavailable(Exception):
@@ -109,6 +115,7 @@ class TrainerService:
         self.health = TrainerHealth()
         self.metrics = TrainerMetrics()
         self.state: dict[str, Any] = {"trainer": None, "error": None}
+        self.throughput: collections.deque[dict[str, Any]] = collections.deque(maxlen=THROUGHPUT_SAMPLES)
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
@@ -136,12 +143,23 @@ class TrainerService:
                 log.exception("trainer stopped")
                 raise  # the loop is dead: /healthz says so, and the orchestrator restarts us
 
+        async def sample_throughput() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(Exception):  # Redis down: a gap in the history, no error
+                    workers = await coord.workers()
+                    self.throughput.append({"time": time.time(),
+                                            "workers": {w.worker_id: w.tokens_per_s for w in workers}})
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), THROUGHPUT_EVERY_S)
+
         task = asyncio.create_task(boot())
+        sampler = asyncio.create_task(sample_throughput())
         self.health.liveness.watch(LOOP, task, settings.stall_s, may_finish=True)
         try:
             yield
         finally:
             stop.set()
+            sampler.cancel()
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
                 await asyncio.wait_for(task, timeout=60)
             await client.aclose()
@@ -168,8 +186,13 @@ class TrainerService:
         stats: dict | None = None
         workers: list = []
         redis_error = None
+        held: dict[str, int] = {}
         try:
-            stats, workers = await asyncio.gather(coord.stats(), coord.workers())
+            stats, workers, table = await asyncio.gather(coord.stats(), coord.workers(), coord.leases(1000))
+            # Leases each worker holds now, from the same table as the queue's count: the two agree.
+            for row in table:
+                if row["expires_in_s"] > 0:
+                    held[row["holder"]] = held.get(row["holder"], 0) + 1
         except Exception as exc:  # noqa: BLE001 - status reports a broken dependency, it does not fail
             redis_error = f"{type(exc).__name__}: {exc}"
         return {
@@ -182,8 +205,8 @@ class TrainerService:
             "max_steps": settings.max_steps,
             "queue": stats,
             # A worker whose samples this trainer would refuse says why (shared.agreement).
-            "workers": [w.model_dump() | {"disagreement": sampling_mismatch(settings, w.sampling)}
-                        for w in workers],
+            "workers": [w.model_dump() | {"disagreement": sampling_mismatch(settings, w.sampling),
+                                          "leases_held": held.get(w.worker_id, 0)} for w in workers],
             "redis_error": redis_error,
             "dependencies": {"redis": self.health.redis.state(), "registry": self.health.registry.state()},
             "faults": {
@@ -209,6 +232,21 @@ class TrainerService:
                 "payload_ratio": m.payload_ratio,
                 "changed_fraction": m.metrics.get("changed_fraction"),
             } for m in manifests]}
+
+    def throughput_since(self, since: float) -> list[dict[str, Any]]:
+        return [r for r in self.throughput if r["time"] > since]
+
+    async def leases(self, limit: int) -> dict[str, Any]:
+        """Leases held now (holder, seconds to expiry, reclaims; expired or released ones wait for
+        the next claim) and the dead letters with their reasons. Unavailable while Redis is down."""
+        coord: Coordinator = self.state["coord"]
+        try:
+            held, dead = await asyncio.gather(coord.leases(limit), coord.dead_letters(limit))
+        except Exception as exc:  # noqa: BLE001 - a Redis fault is a 503, whatever its type
+            raise Unavailable(f"Redis is unreachable: {exc}") from exc
+        return {"lease_ttl_s": self.settings.coord.lease_ttl_s, "leases": held, "dead_letters": [
+            {k: d.get(k) for k in ("entry_id", "group_id", "worker_id", "attempts", "reason")}
+            | {"time": int(d["id"].split("-")[0]) / 1000} for d in dead]}
 
     def history(self, since: int) -> list[dict[str, Any]]:
         rows = self.trainer.history if self.trainer else []

@@ -292,6 +292,20 @@ class Coordinator:
             ],
         }
 
+    async def leases(self, count: int = 100) -> list[dict[str, Any]]:
+        """Leases held now, oldest first (Redis's pending-entries list of the prompt stream):
+        entry id, holder (worker id), seconds until the lease expires unless heartbeated, and
+        reclaims (deliveries after the first: the group went to another worker, or back to this one)."""
+        ttl_s = self.settings.lease_ttl_ms / 1000
+        rows = await self._guarded(lambda: self.redis.xpending_range(
+            self.keys.prompts, self.settings.consumer_group, min="-", max="+", count=count))
+        return [{
+            "entry_id": decode(row["message_id"]),
+            "holder": decode(row["consumer"]),
+            "expires_in_s": round(ttl_s - row["time_since_delivered"] / 1000, 1),
+            "reclaims": max(0, int(row["times_delivered"]) - 1),
+        } for row in rows]
+
     async def dead_letters(self, count: int = 100) -> list[dict[str, str]]:
         """The oldest dead-letter entries, each with entry_id, group (raw payload), reason, ..."""
         rows: Any = await self.redis.xrange(self.keys.dead, count=count)
@@ -459,6 +473,10 @@ class Coordinator:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.xlen(self.keys.prompts)
             pipe.xpending(self.keys.prompts, self.settings.consumer_group)
+            # Pending entries idle past the lease TTL are not held by anyone: expired leases and
+            # released ones (parked idle at the TTL) wait for the next claim, i.e. they are queued.
+            pipe.xpending_range(self.keys.prompts, self.settings.consumer_group, min="-", max="+",
+                                count=self.settings.max_queue + 1, idle=self.settings.lease_ttl_ms)
             pipe.xlen(self.keys.trajectories)
             pipe.xlen(self.keys.dead)
             pipe.hlen(self.keys.completed)
@@ -469,11 +487,13 @@ class Coordinator:
         for result in results:
             if isinstance(result, Exception) and not lost_streams(result):
                 raise result
-        in_stream, pending, trajectories, dead, completed, workers, version, counters = results
-        leased = 0 if isinstance(pending, Exception) else int(pending["pending"])
+        in_stream, pending, expired, trajectories, dead, completed, workers, version, counters = results
+        unheld = 0 if isinstance(expired, Exception) else len(expired)
+        leased = 0 if isinstance(pending, Exception) else max(0, int(pending["pending"]) - unheld)
         return {
             "prompts_queued": in_stream - leased,
             "leases_pending": leased,
+            "leases_expired": unheld,
             "trajectories_queued": trajectories,
             "dead_letter_depth": dead,
             "groups_completed": completed,

@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
@@ -86,6 +87,12 @@ def _sha256(data: bytes | memoryview | bytearray) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+class PieceSource(Protocol):
+    """Another way to fill downloads (shared.relay.Relay: from peers, the registry for the rest)."""
+
+    async def fetch(self, downloader: Downloader, downloads: list[_Download]) -> None: ...
+
+
 class Downloader:
     """Fetches objects of the transport's run; `bandwidth_bps` in bits per second (None: uncapped)."""
 
@@ -94,6 +101,7 @@ class Downloader:
         self.transport = transport
         self.bucket = TokenBucket(bandwidth_bps) if bandwidth_bps else None
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.relay: PieceSource | None = None  # shared.relay.Relay: peers first (set by the owner)
 
     def _open_download(self, ref: ObjectRef) -> _Download:
         n = len(ref.pieces)
@@ -159,11 +167,12 @@ class Downloader:
                 await self.transport._backoff(attempt)
                 attempt += 1
 
-    async def _verify_piece(self, download: _Download, i: int) -> None:
-        """Check piece i against its sha256, refetching it once on a mismatch; keep it in the part file."""
+    async def _verify_piece(self, download: _Download, i: int, *, refetch: bool = True) -> bool:
+        """Check piece i against its sha256, refetching it once on a mismatch; keep it in the part
+        file. Without `refetch` a mismatch returns False (a relay then asks the registry)."""
         start, end = download.piece_range(i)
         piece = memoryview(download.buffer)[start:end]
-        for verification in range(2):
+        for verification in range(2 if refetch else 1):
             if verification:
                 await self._receive(download, i, i + 1)
             # hashlib drops the GIL: a thread hashes while the loop keeps every stream receiving.
@@ -176,8 +185,10 @@ class Downloader:
                         os.close(fd)
                 download.done[i] = True
                 self.transport.counters.pieces += 1
-                return
+                return True
             log.warning("piece %d of %s failed its sha256 (try %d)", i, download.ref.key, verification + 1)
+        if not refetch:
+            return False
         raise CorruptObjectError(f"{download.ref.key}: piece {i} (bytes {start}-{end}) fails its sha256")
 
     async def download(self, refs: Sequence[ObjectRef]) -> list[memoryview]:
@@ -190,6 +201,17 @@ class Downloader:
         large chain again would cost more than hashing it).
         """
         downloads = [self._open_download(ref) for ref in refs]
+        if self.relay is not None:
+            await self.relay.fetch(self, downloads)  # peers first, the registry for the rest
+        else:
+            await self.fetch_direct(downloads)
+        for download in downloads:
+            if download.part is not None:
+                download.part.unlink(missing_ok=True)
+        return [memoryview(d.buffer)[: d.ref.size] for d in downloads]
+
+    async def fetch_direct(self, downloads: Sequence[_Download]) -> None:
+        """Fill downloads from the registry (the body of download())."""
         pending = sum(d.done.count(False) for d in downloads)
         share = -(-pending // self.transport.streams)
         queue: asyncio.Queue[tuple[_Download, int, int]] = asyncio.Queue()
@@ -224,7 +246,3 @@ class Downloader:
         except ExceptionGroup as errors:
             # The first failure cancels the other streams; callers handle plain exceptions.
             raise errors.exceptions[0] from None
-        for download in downloads:
-            if download.part is not None:
-                download.part.unlink(missing_ok=True)
-        return [memoryview(d.buffer)[: d.ref.size] for d in downloads]

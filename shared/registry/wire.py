@@ -66,3 +66,4 @@ class Plan(BaseModel):
     total_bytes: int
     steps: list[PlanStep]
     lease_s: float  # the registry keeps the plan's objects at least this long
+    peers: dict[str, list[str]] = {}  # object key → peers serving it (shared.relay), best first

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import subprocess
 import sys
@@ -181,3 +182,87 @@ def test_runs_as_a_module_with_exit_codes() -> None:
     assert ok.returncode == 0 and "sparsecast status" in ok.stdout
     usage = subprocess.run([sys.executable, "-m", "services.cli", "status", "--bogus"], capture_output=True, text=True)
     assert usage.returncode == 2 and "unrecognized arguments" in usage.stderr
+
+
+def test_pause_resume_checkpoint_and_tasks(stack: dict[str, str], capsys: pytest.CaptureFixture) -> None:
+    url = ("--trainer-url", stack["trainer"], "--token", TOKEN)
+    assert cli_json(capsys, "pause", *url)["paused"] is True
+    assert cli_json(capsys, "status", *url)["paused"] is True
+    code, out, _ = run_cli(capsys, "resume", *url)
+    assert code == 0 and "resumed" in out
+    assert cli_json(capsys, "status", *url)["paused"] is False
+    saved = cli_json(capsys, "checkpoint", *url)
+    assert Path(saved["path"]).exists()
+    tasks = cli_json(capsys, "tasks", "--trainer-url", stack["trainer"])
+    assert "addition" in tasks["tasks"]
+    code, out, _ = run_cli(capsys, "tasks", "--trainer-url", stack["trainer"])
+    assert code == 0 and f"{tasks['default']} (default)" in out
+
+
+def test_a_401_says_where_the_token_comes_from(stack: dict[str, str], capsys: pytest.CaptureFixture,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SPARSECAST_API_TOKEN", raising=False)
+    code, _, err = run_cli(capsys, "pause", "--trainer-url", stack["trainer"])
+    text = " ".join(err.split())
+    assert code == 1 and "401" in text and "no token was sent" in text
+    assert "SPARSECAST_API_TOKEN" in text and "deploy/env/sparsecast.env" in text
+    assert "kubectl get secret" in text
+    code, _, err = run_cli(capsys, "pause", "--trainer-url", stack["trainer"], "--token", "wrong")
+    assert code == 1 and "the token was refused" in " ".join(err.split())
+
+
+def test_version_flag(capsys: pytest.CaptureFixture) -> None:
+    import importlib.metadata
+
+    code, out, _ = run_cli(capsys, "--version")
+    assert code == 0 and out.strip() == f"sparsecast {importlib.metadata.version('sparsecast')}"
+
+
+def test_one_default_run_name_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.cli import build_parser
+    from services.demo.options import RUN as DEMO_RUN
+    from services.registry.settings import RegistrySettings as Registry
+    from services.rollout.settings import RolloutSettings
+    from shared.schemas import DEFAULT_RUN
+
+    monkeypatch.delenv("SPARSECAST_RUN", raising=False)
+    assert build_parser().parse_args(["versions"]).run == DEFAULT_RUN == DEMO_RUN
+    assert Registry().run == RolloutSettings().run == TrainerSettings().run == DEFAULT_RUN
+    compose = (REPO_ROOT / "compose.yaml").read_text()
+    assert f"SPARSECAST_RUN: ${{SPARSECAST_RUN:-{DEFAULT_RUN}}}" in compose
+
+
+def test_tables_fit_80_columns() -> None:
+    from rich.console import Console
+
+    from services.views import versions_table, workers_table
+
+    workers = [{"worker_id": f"rollout-{n}-7f9c2d", "engine": "native", "kv_policy": "rkv", "kv_budget": 512,
+                "weight_version": 118, "tokens_per_s": 1234.5, "download_mbps": 95.3, "leases": 12,
+                "url": None, "updated_at": time.time()} for n in range(3)]
+    rows = [{"version": v, "base_version": v - 1, "patch_bytes": 1_234_567, "snapshot_bytes": None,
+             "dense_bytes": 3_400_000_000, "payload_ratio": 2754.0, "changed_fraction": 0.0123,
+             "metrics": {"reward_mean": 0.4321, "accuracy": 0.5}} for v in range(118, 121)]
+    for table, must_show in ((workers_table(workers, 120), ["rollout-2-7f9c2d", "rkv@512", "1234"]),
+                             (versions_table(rows, 0), ["v120", "1.2 MB", "3.4 GB", "2754x", "50.0%"])):
+        console = Console(width=80, record=True, file=io.StringIO())
+        console.print(table)
+        text = console.export_text()
+        assert max(len(line) for line in text.splitlines()) <= 80
+        assert "…" not in text and all(value in text for value in must_show), text
+        assert "url" not in text  # no worker advertises one: the column is left out
+    with_url = [w | {"url": "http://10.0.0.7:8200"} for w in workers]
+    console = Console(width=80, record=True, file=io.StringIO())
+    console.print(workers_table(with_url, 120))
+    assert "url" in console.export_text()
+
+
+@pytest.mark.parametrize("service", ["registry", "trainer", "rollout"])
+def test_service_help_prints_its_settings_and_exits(service: str) -> None:
+    shown = subprocess.run([sys.executable, "-m", f"services.{service}", "--help"], cwd=REPO_ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert "SPARSECAST_PORT" in shown.stdout and "SPARSECAST_RUN" in shown.stdout and "'demo'" in shown.stdout
+    refused = subprocess.run([sys.executable, "-m", f"services.{service}", "--port", "1"], cwd=REPO_ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "takes no arguments" in refused.stderr

@@ -208,3 +208,29 @@ async def test_inflight_window_bounds_leased_plus_unread(make_coord: CoordFactor
     assert stats["window_refusals"] >= 3 and stats["leases_pending"] == 2 and stats["trajectories_queued"] == 1
     await coord.set_inflight_limit(0)  # unbounded again
     assert len(await coord.claim("w3", 10)) == 5
+
+
+async def test_expired_and_released_leases_count_as_queued_and_the_lease_table_agrees(
+        make_coord: CoordFactory) -> None:
+    # The dashboard once showed 8 leased groups while both workers held none: expired and released
+    # entries stay in Redis's pending list. They are queued, not leased, and the table says who holds what.
+    coord = make_coord(lease_ttl_s=0.3)
+    await coord.enqueue(groups(4))
+    held = await coord.claim("w1", 2)
+    released = await coord.claim("w2", 2)
+    await coord.release(released[0])
+    table = await coord.leases()
+    assert {(r["holder"], r["reclaims"]) for r in table if r["holder"] == "w1"} == {("w1", 0)}
+    assert all(0 < r["expires_in_s"] <= 0.3 for r in table if r["holder"] == "w1")
+    stats = await coord.stats()
+    assert (stats["leases_pending"], stats["leases_expired"], stats["prompts_queued"]) == (3, 1, 1)
+    await asyncio.sleep(0.35)  # nobody heartbeats: every lease expires
+    stats = await coord.stats()
+    assert (stats["leases_pending"], stats["leases_expired"], stats["prompts_queued"]) == (0, 4, 4)
+    assert all(r["expires_in_s"] <= 0 for r in await coord.leases())
+    again = await coord.claim("w3", 4)  # reclaims the expired ones
+    assert {lease.group_id for lease in again} >= {lease.group_id for lease in held}
+    table = {r["entry_id"]: r for r in await coord.leases()}
+    for lease in held:
+        assert table[lease.entry_id]["holder"] == "w3" and table[lease.entry_id]["reclaims"] >= 1
+    assert (await coord.stats())["leases_pending"] == len(again)

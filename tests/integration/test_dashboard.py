@@ -90,6 +90,36 @@ def test_dashboard_shows_live_data_and_the_demo_stops_on_ctrl_c(tmp_path: Path, 
         kv = browser.find_element("id", "kpi-kv").text
         last = httpx.get(env["SPARSECAST_TRAINER_URL"] + "/v1/status").json()["last"]
         assert kv == f"{100 * last['kv_saved']:.1f}%", (kv, last["kv_saved"])
+        # Loss/grad-norm, KL/entropy and step-time charts draw a line through the three steps.
+        assert {n for n, _ in paths["chart-loss"]} == {"loss", "grad norm"}
+        assert {"KL old‖sampler", "entropy"} <= {n for n, _ in paths["chart-kl"]}
+        assert all(d.count("L") == 2 for n, d in paths["chart-steptime"]), paths["chart-steptime"]
+        # Cards show the last step, and the mean over the run below it.
+        assert "last step · mean of 3" in browser.find_element("id", "kpi-reward-mean").text
+        # Throughput comes from the server's samples, taken before this page was opened.
+        samples = browser.execute_script("return fetch('v1/metrics/throughput').then(r => r.json())")
+        assert samples["interval_s"] == 5 and samples["samples"], samples
+        assert min(r["time"] for r in samples["samples"]) < time.time() - 1
+        # Links to the metrics and the (offline) API docs.
+        links = browser.execute_script("return [...document.querySelectorAll('header a')].map(a => a.href)")
+        assert [link.rsplit("/", 1)[1] for link in links] == ["metrics", "docs", "redoc"]
+        # The lease table and the queue card read the same Redis list: they agree.
+        _wait(browser, "return document.getElementById('leases-note').textContent !== ''", 10, "lease table")
+        leased = browser.execute_script(
+            "return document.querySelectorAll('#leases tbody tr:not(.expired)').length")
+        card = browser.find_element("id", "kpi-queue").text
+        assert f"{leased} leased" in card, (leased, card)
+        assert browser.find_element("id", "dead-note").text == "(0)"
+        # Pause and resume from the page (the token asked once, kept for the tab).
+        browser.execute_script("sessionStorage.setItem('sparsecast-token', arguments[0])",
+                               env["SPARSECAST_API_TOKEN"])
+        browser.find_element("id", "pause").click()
+        badge = "document.getElementById('state').textContent"
+        _wait(browser, f"return {badge}.endsWith('(paused)')", 15, "paused")
+        assert "paused at step 3" in browser.find_element("id", "notice").text
+        browser.save_screenshot(str(tmp_path / "dashboard-paused.png"))
+        browser.find_element("id", "resume").click()
+        _wait(browser, f"return !{badge}.includes('paused')", 15, "resumed")
         # The worker reports its version on its next heartbeat after syncing to v3.
         _wait(browser, "return [...document.querySelectorAll('#workers tbody td')].map(td => td.textContent)"
                        ".slice(0, 4).join('|') === 'demo-worker-1|native|rkv @32|v3'", 30, "worker at v3")

@@ -1,5 +1,6 @@
 """Kubernetes: kustomize overlays rendered by kubectl and validated against the API schemas, the
-Helm chart's values against values.schema.json, and `helm lint`/`helm template` where helm exists.
+Helm chart's values against values.schema.json, and Helm's lint and template run through Helm's own
+library (helm-python-sdk, a dev dependency: no helm binary needed).
 
 The same semantic checks run on every rendering: probes on the health endpoints, ports that agree
 with SPARSECAST_PORT, references to ConfigMaps/Secrets/keys that exist, GPU resources for GPU
@@ -16,6 +17,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import helm_python
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -44,10 +46,39 @@ def _render_overlay(overlay: str) -> str:
     return rendered.stdout
 
 
-def helm(*args: str) -> subprocess.CompletedProcess[str]:
-    if shutil.which("helm") is None:
-        pytest.skip("helm is not installed")
-    return subprocess.run(["helm", *args], capture_output=True, text=True, timeout=120)
+def chart_values(*files: str, overrides: dict | None = None) -> dict:
+    """What `-f FILE ... --set ...` would pass: the user-supplied values only (Helm merges the
+    chart's defaults itself)."""
+    values: dict = {}
+    for name in files:
+        deep_merge(values, yaml.safe_load((CHART / name).read_text()))
+    deep_merge(values, copy.deepcopy(overrides or {}))
+    return values
+
+
+def helm_lint(values: dict) -> list[str]:
+    """`helm lint --strict`: every finding (warnings count, info does not) as text."""
+    report = helm_python.lint(CHART, values, strict=True, namespace="sparsecast",
+                              kube_version=f"v{K8S_VERSION}")
+    return report["errors"] + [f"{m['path']}: {m['error']}" for m in report["messages"] if m["severity"] >= 2]
+
+
+def helm_template(*files: str, overrides: dict | None = None, hooks: bool = False) -> list[dict]:
+    """`helm template demo CHART -n sparsecast -f FILE...` through Helm's own library
+    (helm-python-sdk); `hooks`: keep hook objects such as the `helm test` pod."""
+    with helm_python.Chart.load(CHART) as chart:
+        rendered = chart.render(chart_values(*files, overrides=overrides), name="demo",
+                                namespace="sparsecast", is_install=True)
+    docs = [doc for path, text in sorted(rendered.items()) if path.endswith(".yaml")
+            for doc in yaml.safe_load_all(text) if doc]
+    return docs if hooks else [d for d in docs if "helm.sh/hook" not in d["metadata"].get("annotations", {})]
+
+
+def helm_notes(*files: str, overrides: dict | None = None) -> str:
+    with helm_python.Chart.load(CHART) as chart:
+        rendered = chart.render(chart_values(*files, overrides=overrides), name="demo",
+                                namespace="sparsecast", is_install=True)
+    return rendered["sparsecast/templates/NOTES.txt"]
 
 
 def load_values(*overrides: str) -> dict:
@@ -87,7 +118,7 @@ def sparsecast_containers(docs: list[dict]) -> dict[str, tuple[dict, dict]]:
     return found
 
 
-def check_manifests(docs: list[dict], *, gpu: bool) -> None:
+def check_manifests(docs: list[dict], *, gpu: bool, trainer_gpu: bool = False) -> None:
     for doc in docs:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
@@ -125,9 +156,14 @@ def check_manifests(docs: list[dict], *, gpu: bool) -> None:
         assert "nvidia.com/gpu" not in limits
         assert rollout["image"].endswith(":cpu")
         assert env["SPARSECAST_DEVICE"] == "cpu"
-    for name in ("registry", "trainer"):
-        assert "nvidia.com/gpu" not in services[name][1]["resources"].get("limits", {})
-        assert services[name][1]["image"].endswith(":cpu")
+    _, registry = services["registry"]
+    assert "nvidia.com/gpu" not in registry["resources"].get("limits", {})
+    assert registry["image"].endswith(":cpu")
+    _, trainer = services["trainer"]
+    trainer_limits = trainer["resources"].get("limits", {})
+    assert ("nvidia.com/gpu" in trainer_limits) == trainer_gpu
+    assert trainer["image"].endswith(":cuda" if trainer_gpu else ":cpu")
+    assert container_env(trainer)["SPARSECAST_DEVICE"] == ("cuda" if trainer_gpu else "cpu")
 
     check_references(docs, by_kind)
 
@@ -247,27 +283,28 @@ def test_chart_renders_both_images_and_every_service() -> None:
 
 
 @pytest.mark.parametrize("values_file", [None, "values-gpu.yaml"], ids=["default", "values_gpu"])
-def test_helm_lint_and_template(values_file: str | None, tmp_path: Path) -> None:
-    extra = ["-f", str(CHART / values_file)] if values_file else []
-    linted = helm("lint", "--strict", str(CHART), *extra)
-    assert linted.returncode == 0, linted.stdout + linted.stderr
-    rendered = helm("template", "demo", str(CHART), "--namespace", "sparsecast", *extra)
-    assert rendered.returncode == 0, rendered.stderr
-    docs = [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
-    # The `helm test` pod is a hook, not part of the stack.
-    docs = [d for d in docs if "helm.sh/hook" not in d["metadata"].get("annotations", {})]
-    check_manifests(docs, gpu=values_file is not None)
+def test_helm_lint_and_template(values_file: str | None) -> None:
+    files = (values_file,) if values_file else ()
+    assert helm_lint(chart_values(*files)) == []
+    # Every rendered object, the `helm test` hook included, passes strict API validation.
+    for doc in helm_template(*files, hooks=True):
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    check_manifests(helm_template(*files), gpu=values_file is not None, trainer_gpu=values_file is not None)
+
+
+def test_helm_lint_reports_a_broken_values_file() -> None:
+    # The lint is real: values the schema refuses are findings.
+    assert helm_lint(chart_values(overrides={"rollout": {"engine": "tgi"}}))
 
 
 def test_helm_template_with_external_redis_and_s3() -> None:
-    rendered = helm(
-        "template", "demo", str(CHART),
-        "--set", "redis.bundled=false", "--set", "redis.url=redis://redis.example:6379/0",
-        "--set", "minio.bundled=false", "--set", "store.url=s3://bucket/runs",
-        "--set", "store.s3.endpoint=https://s3.example",
-    )
-    assert rendered.returncode == 0, rendered.stderr
-    docs = [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
+    docs = helm_template(overrides={
+        "redis": {"bundled": False, "url": "redis://redis.example:6379/0"},
+        "minio": {"bundled": False},
+        "store": {"url": "s3://bucket/runs", "s3": {"endpoint": "https://s3.example"}},
+    })
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     names = {doc["metadata"]["name"] for doc in docs}
     assert not any(name.endswith(("-redis", "-minio")) for name in names)
     config = next(doc for doc in docs if doc["kind"] == "ConfigMap")
@@ -297,14 +334,189 @@ def test_kustomize_redis_keeps_an_aof_on_a_volume(overlay: str) -> None:
 
 
 def test_helm_redis_keeps_an_aof_on_a_volume() -> None:
-    rendered = helm("template", "demo", str(CHART), "--namespace", "sparsecast")
-    assert rendered.returncode == 0, rendered.stderr
-    check_redis_persists([doc for doc in yaml.safe_load_all(rendered.stdout) if doc])
+    check_redis_persists(helm_template())
 
 
-def test_chart_redis_template_mounts_its_claim() -> None:
-    # Without helm on the machine: the template reads the persistence values and names its claim.
-    text = (CHART / "templates" / "redis.yaml").read_text()
-    assert '"--appendonly", "yes"' in text and "kind: PersistentVolumeClaim" in text
-    assert text.count('{{ include "sparsecast.fullname" . }}-redis') >= 3  # deployment, claim ref, claim
-    assert load_values()["redis"]["persistence"]["enabled"] is True
+
+
+def by_kind_and_name(docs: list[dict]) -> dict[tuple[str, str], dict]:
+    return {(doc["kind"], doc["metadata"]["name"]): doc for doc in docs}
+
+
+def pod_spec(docs: list[dict], component: str) -> dict:
+    [deployment] = [d for d in docs
+                    if d["kind"] == "Deployment" and d["metadata"]["name"].endswith(f"-{component}")]
+    return deployment["spec"]["template"]
+
+
+def check_crd_objects_and_validate(docs: list[dict]) -> None:
+    """Strict API validation for every object; a ServiceMonitor (a CRD kubernetes-validate does not
+    know) is checked for the fields the Prometheus Operator reads."""
+    for doc in docs:
+        if doc["kind"] == "ServiceMonitor":
+            assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+            assert set(doc["spec"]) == {"selector", "namespaceSelector", "endpoints"}
+            continue
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+OPERATOR_VALUES = {
+    "model": {"source": "hf",
+              "hf": {"repo": "Qwen/Qwen3-1.7B", "tokenSecret": {"name": "hf-token", "key": "HF_TOKEN"}}},
+    "trainer": {"gpu": {"enabled": True, "count": 2}},
+    "rollout": {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6, "queuedPerWorker": 8}},
+    "ingress": {"enabled": True, "className": "nginx", "host": "rl.example.com", "tlsSecret": "rl-tls"},
+    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
+}
+
+
+def test_chart_operator_options_render_valid_objects() -> None:
+    assert values_errors(chart_values("values.yaml", overrides=OPERATOR_VALUES)) == []
+    assert helm_lint(chart_values(overrides=OPERATOR_VALUES)) == []
+    docs = helm_template(overrides=OPERATOR_VALUES)
+    check_crd_objects_and_validate(docs)
+    objects = by_kind_and_name(docs)
+
+    # Model provisioning: an init container downloads into a claim the trainer mounts read-only.
+    trainer = pod_spec(docs, "trainer")["spec"]
+    [init] = trainer["initContainers"]
+    assert init["command"][:3] == ["python", "-m", "services.trainer.fetch_model"]
+    assert init["command"][init["command"].index("--hf") + 1] == "Qwen/Qwen3-1.7B"
+    token = next(e for e in init["env"] if e["name"] == "HF_TOKEN")
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "HF_TOKEN"}
+    [container] = trainer["containers"]
+    assert container_env(container)["SPARSECAST_MODEL"] == "/models/current"
+    assert {"name": "models", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
+    [models] = [v for v in trainer["volumes"] if v["name"] == "models"]
+    assert ("PersistentVolumeClaim", models["persistentVolumeClaim"]["claimName"]) in objects
+    # The trainer on GPUs.
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2 and container["image"].endswith(":cuda")
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in trainer["tolerations"]
+
+    # Autoscaling replaces the fixed replica count.
+    rollout = objects[("Deployment", "demo-sparsecast-rollout")]
+    assert "replicas" not in rollout["spec"]
+    hpa = objects[("HorizontalPodAutoscaler", "demo-sparsecast-rollout")]
+    target = {"apiVersion": "apps/v1", "kind": "Deployment", "name": "demo-sparsecast-rollout"}
+    assert hpa["spec"]["scaleTargetRef"] == target
+    [metric] = hpa["spec"]["metrics"]
+    queued = {"name": "coord", "selector": {"matchLabels": {"name": "prompts_queued"}}}
+    assert metric["external"]["metric"] == queued
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
+
+    # The Ingress reaches the trainer's Service on a port it has.
+    ingress = objects[("Ingress", "demo-sparsecast-trainer")]
+    backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    service = objects[("Service", backend["name"])]
+    assert backend["port"]["name"] in {p["name"] for p in service["spec"]["ports"]}
+    assert ingress["spec"]["tls"] == [{"hosts": ["rl.example.com"], "secretName": "rl-tls"}]
+
+    # The ServiceMonitor selects exactly the three sparsecast Services, on their http port.
+    monitor = objects[("ServiceMonitor", "demo-sparsecast")]
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    selected = {
+        name for (kind, name), doc in objects.items() if kind == "Service" and all(
+            doc["metadata"]["labels"].get(rule["key"]) in rule["values"]
+            for rule in monitor["spec"]["selector"]["matchExpressions"])
+    }
+    assert selected == {f"demo-sparsecast-{name}" for name in SERVICES}
+    assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "30s"}]
+
+
+@pytest.mark.parametrize(
+    ("model", "command", "claim", "path"),
+    [
+        ({"source": "url", "url": "https://models.example/qwen3.tar.gz"},
+         ["--url", "https://models.example/qwen3.tar.gz"], "demo-sparsecast-models", "/models/current"),
+        ({"source": "volume", "existingClaim": "shared-models", "subPath": "Qwen3-1.7B"},
+         None, "shared-models", "/models/Qwen3-1.7B"),
+    ],
+    ids=["url", "volume"],
+)
+def test_chart_model_from_a_url_or_a_filled_volume(model: dict, command: list | None, claim: str,
+                                                   path: str) -> None:
+    docs = helm_template(overrides={"model": model})
+    check_crd_objects_and_validate(docs)
+    trainer = pod_spec(docs, "trainer")["spec"]
+    if command:
+        [init] = trainer["initContainers"]
+        assert init["command"][-2:] == command
+    else:
+        assert "initContainers" not in trainer
+        assert ("PersistentVolumeClaim", "demo-sparsecast-models") not in by_kind_and_name(docs)
+    [models] = [v for v in trainer["volumes"] if v["name"] == "models"]
+    assert models["persistentVolumeClaim"]["claimName"] == claim
+    assert container_env(trainer["containers"][0])["SPARSECAST_MODEL"] == path
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model": {"source": "hf"}},
+        {"model": {"source": "url", "url": "ftp://x/y.tar"}},
+        {"model": {"source": "volume"}},
+        {"model": {"source": "s3"}},
+        {"ingress": {"enabled": True, "host": ""}},
+        {"rollout": {"autoscaling": {"enabled": True, "minReplicas": 0}}},
+        {"metrics": {"serviceMonitor": {"interval": "often"}}},
+    ],
+    ids=["hf_without_repo", "url_not_http", "volume_without_claim", "unknown_source", "ingress_without_host",
+         "autoscaling_min_0", "bad_interval"],
+)
+def test_chart_schema_rejects_bad_operator_values(change: dict) -> None:
+    values = load_values()
+    deep_merge(values, change)
+    assert values_errors(values)
+
+
+def test_chart_default_pods_spread_survive_drains_and_are_scraped() -> None:
+    docs = helm_template()
+    objects = by_kind_and_name(docs)
+    template = pod_spec(docs, "rollout")
+    labels = template["metadata"]["labels"]
+    pdb = objects[("PodDisruptionBudget", "demo-sparsecast-rollout")]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert pdb["spec"]["maxUnavailable"] == 1
+    [spread] = template["spec"]["topologySpreadConstraints"]
+    assert spread["labelSelector"]["matchLabels"].items() <= labels.items()
+    assert (spread["topologyKey"], spread["whenUnsatisfiable"]) == ("kubernetes.io/hostname", "ScheduleAnyway")
+    for name, port in SERVICES.items():
+        annotations = pod_spec(docs, name)["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        scrape = (annotations["prometheus.io/port"], annotations["prometheus.io/path"])
+        assert scrape == (str(port), "/metrics")
+
+
+def test_a_changed_token_secret_restarts_the_pods() -> None:
+    def checksums(overrides: dict) -> dict[str, str | None]:
+        docs = helm_template(overrides=overrides)
+        return {name: pod_spec(docs, name)["metadata"]["annotations"].get("checksum/secret")
+                for name in SERVICES}
+
+    tokens = ("token-one", "token-one", "token-two")
+    first, again, changed = (checksums({"auth": {"apiToken": t}}) for t in tokens)
+    assert all(first.values()) and first == again
+    assert all(first[name] != changed[name] for name in SERVICES)
+    # An existing Secret is the operator's: the chart cannot see it change.
+    assert set(checksums({"auth": {"existingSecret": "mine"}}).values()) == {None}
+
+
+@pytest.mark.parametrize(("cpu", "threads"), [("2", "2"), (3, "3"), ("1500m", "1"), ("250m", "1")])
+def test_omp_threads_follow_the_cpu_limit(cpu: str | int, threads: str) -> None:
+    docs = helm_template(overrides={"rollout": {"resources": {"limits": {"cpu": cpu}}}})
+    assert container_env(pod_spec(docs, "rollout")["spec"]["containers"][0])["OMP_NUM_THREADS"] == threads
+    for name in SERVICES:  # every sparsecast container has a CPU limit by default, so a thread count
+        [container] = pod_spec(docs, name)["spec"]["containers"]
+        assert container["resources"]["limits"]["cpu"]
+        assert int(container_env(container)["OMP_NUM_THREADS"]) >= 1
+    given = helm_template(overrides={"rollout": {"extraEnv": [{"name": "OMP_NUM_THREADS", "value": "7"}]}})
+    env = pod_spec(given, "rollout")["spec"]["containers"][0]["env"]
+    assert [e["value"] for e in env if e["name"] == "OMP_NUM_THREADS"] == ["7"]
+
+
+def test_notes_show_how_to_submit_prompts() -> None:
+    notes = helm_notes()
+    assert "sparsecast submit --task addition" in notes and "/v1/prompts" in notes
+    assert "port-forward svc/demo-sparsecast-trainer 8000:8000" in notes
+    ingress = helm_notes(overrides={"ingress": {"enabled": True, "host": "rl.example.com", "tlsSecret": "t"}})
+    assert "SPARSECAST_TRAINER_URL=https://rl.example.com" in ingress

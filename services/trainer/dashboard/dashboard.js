@@ -4,17 +4,16 @@
 
 const POLL_MS = 2000;
 const VERSIONS_EVERY_MS = 6000; // versions change once per step; the list is re-read less often
-const THROUGHPUT_POINTS = 150;
 const COLORS = ["#2f6fdf", "#e07b24", "#2a9d5c", "#b4457f", "#7b61c9", "#8a8f24"];
 
 const state = {
   history: [],          // /v1/metrics/history rows, by step
   versions: [],         // /v1/versions rows
   status: null,
-  throughput: new Map(), // worker id -> [[t, tokens/s]]
+  throughput: [],       // /v1/metrics/throughput samples: {time, workers: {id: tokens/s}}, server-sampled
+  leases: null,         // /v1/leases: {lease_ttl_s, leases, dead_letters}
   versionsAt: 0,
   versionSeen: null,
-  started: Date.now(),
 };
 
 // -- formatting --
@@ -165,18 +164,37 @@ function renderCharts() {
         .map((r) => [r.step, r.kv_peak_bytes_mean / (1 - r.kv_saved)]) },
   ], { yMin: 0, fmtY: bytes });
 
+  lineChart($("chart-loss"), [series("loss", "loss", COLORS[0]), series("grad norm", "grad_norm", COLORS[1])],
+    { fmtY: (v) => fix(v, 3) });
+  lineChart($("chart-kl"), [
+    series("KL old‖sampler", "kl_old_sampler", COLORS[4]),
+    series("KL to reference", "kl_ref", COLORS[5]),
+    series("entropy", "entropy", COLORS[2]),
+  ], { fmtY: (v) => fix(v, 3) });
+  lineChart($("chart-steptime"), [
+    series("step", "step_seconds", COLORS[0]),
+    series("extract patch", "extract_seconds", COLORS[1]),
+    series("train", "train_seconds", COLORS[2]),
+    series("upload", "upload_seconds", COLORS[3]),
+  ], { yMin: 0, fmtY: (v) => `${fix(v, 1)}s` });
+
   lineChart($("chart-corrections"), [
     series("rejected sequences", "rejection_rate", COLORS[5]),
     series("masked tokens", "token_mask_rate", COLORS[4]),
     series("PPO clipped", "clip_fraction", COLORS[1]),
   ], { yMin: 0, fmtY: (v) => pct(v, 0) });
 
-  const t0 = state.started;
-  const workerSeries = [...state.throughput.entries()].sort().map(([id, points], i) => ({
-    name: id, color: COLORS[i % COLORS.length], points: points.map(([t, v]) => [(t - t0) / 1000, v]),
+  // x: minutes before the newest sample (the server keeps the last hour).
+  const samples = state.throughput;
+  const tEnd = samples.length ? samples[samples.length - 1].time : 0;
+  const ids = [...new Set(samples.flatMap((r) => Object.keys(r.workers)))].sort();
+  const workerSeries = ids.map((id, i) => ({
+    name: id, color: COLORS[i % COLORS.length],
+    points: samples.filter((r) => isNum(r.workers[id])).map((r) => [(r.time - tEnd) / 60, r.workers[id]]),
   }));
-  lineChart($("chart-throughput"), workerSeries,
-    { yMin: 0, fmtY: (v) => v.toFixed(0), fmtX: (v) => `${v.toFixed(0)}s`, waiting: "no workers registered" });
+  lineChart($("chart-throughput"), workerSeries, {
+    yMin: 0, fmtY: (v) => v.toFixed(0), fmtX: (v) => `${v.toFixed(0)} min`, waiting: "no workers registered",
+  });
 }
 
 function renderHeader() {
@@ -190,18 +208,44 @@ function renderHeader() {
     $("progress").textContent = `step ${steps} · version ${s.version ?? "-"}`;
   }
   $("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
-  const last = state.history[state.history.length - 1] || {};
-  $("kpi-reward").textContent = fix(last.reward_mean);
-  $("kpi-accuracy").textContent = pct(last.accuracy);
-  $("kpi-patch").textContent = isNum(last.payload_ratio)
-    ? `${bytes(last.patch_bytes)} · ${last.payload_ratio.toFixed(0)}x smaller` : "-";
-  $("kpi-changed").textContent = pct(last.changed_fraction, 2);
-  $("kpi-kv").textContent = pct(last.kv_saved);
-  $("kpi-corrections").textContent = isNum(last.rejection_rate)
-    ? `${pct(last.rejection_rate)} / ${pct(last.token_mask_rate)}` : "-";
+  // Cards: the big number is the last step's, the line below the mean over the run so far.
+  const rows = state.history;
+  const last = rows[rows.length - 1] || {};
+  const mean = (key) => {
+    const xs = rows.map((r) => r[key]).filter(isNum);
+    return xs.length ? xs.reduce((a, b) => a + b, 0) / xs.length : null;
+  };
+  const card = (id, lastText, meanText) => {
+    $(id).textContent = lastText;
+    $(`${id}-mean`).textContent = rows.length ? `last step · mean of ${rows.length}: ${meanText}` : "";
+  };
+  card("kpi-reward", fix(last.reward_mean), fix(mean("reward_mean")));
+  card("kpi-accuracy", pct(last.accuracy), pct(mean("accuracy")));
+  const patch = (bytesValue, ratio, suffix) => (isNum(ratio) ? `${bytes(bytesValue)} · ${ratio.toFixed(0)}x${suffix}` : "-");
+  card("kpi-patch", patch(last.patch_bytes, last.payload_ratio, " smaller"),
+    patch(mean("patch_bytes"), mean("payload_ratio"), ""));
+  card("kpi-changed", pct(last.changed_fraction, 2), pct(mean("changed_fraction"), 2));
+  card("kpi-kv", pct(last.kv_saved), pct(mean("kv_saved")));
+  const vetoes = (rejected, masked) => (isNum(rejected) ? `${pct(rejected)} / ${pct(masked)}` : "-");
+  card("kpi-corrections", vetoes(last.rejection_rate, last.token_mask_rate),
+    vetoes(mean("rejection_rate"), mean("token_mask_rate")));
+  card("kpi-step", isNum(last.step_seconds) ? `${fix(last.step_seconds, 1)} s` : "-",
+    isNum(mean("step_seconds")) ? `${fix(mean("step_seconds"), 1)} s` : "-");
+  // The queue's numbers and the lease table come from the same Redis list, so they agree.
   const q = s?.queue || {};
   $("kpi-queue").textContent = s ? `${q.prompts_queued ?? 0} waiting · ${q.leases_pending ?? 0} leased · `
-    + `${q.trajectories_queued ?? 0} trajectories · ${q.groups_completed ?? 0} done · ${q.dead_letter_depth ?? 0} dead` : "-";
+    + `${q.trajectories_queued ?? 0} results unread · ${q.groups_completed ?? 0} done · `
+    + `${q.dead_letter_depth ?? 0} dead` : "-";
+  const notes = [];
+  if (q.leases_expired) {
+    notes.push(`${q.leases_expired} of the waiting are expired or released leases, reclaimed next`);
+  }
+  const finished = s && s.state === "finished";
+  if (finished && q.trajectories_queued) {
+    notes.push(`the run finished: ${q.trajectories_queued} results generated in flight will not be trained on`);
+  }
+  if (finished && q.prompts_queued) notes.push(`${q.prompts_queued} groups were never trained on`);
+  $("kpi-queue-note").textContent = notes.join("; ");
 }
 
 function fillTable(id, rows) {
@@ -211,7 +255,12 @@ function fillTable(id, rows) {
     if (className) tr.className = className;
     for (const c of cells) {
       const td = document.createElement("td");
-      td.textContent = c;
+      if (c !== null && typeof c === "object") {
+        td.textContent = c.text;
+        td.className = c.className;
+      } else {
+        td.textContent = c;
+      }
       tr.append(td);
     }
     return tr;
@@ -227,9 +276,25 @@ function renderTables() {
     return {
       className: lag > 1 ? "lagging" : "",
       cells: [w.worker_id, w.engine, w.kv_policy + (w.kv_budget ? ` @${w.kv_budget}` : ""), `v${w.weight_version}`,
-        lag ?? "-", w.leases, w.tokens_per_s.toFixed(0), `${w.download_mbps.toFixed(1)} Mbit/s`, ago(now - w.updated_at)],
+        lag ?? "-", w.leases_held ?? w.leases, w.tokens_per_s.toFixed(0),
+        `${w.download_mbps.toFixed(1)} Mbit/s`, ago(now - w.updated_at)],
     };
   }));
+  const table = state.leases?.leases || [];
+  const live = table.filter((r) => r.expires_in_s > 0).length;
+  $("leases-note").textContent = state.leases ? `(${live} held, ${table.length - live} expired or released; `
+    + `a lease lasts ${state.leases.lease_ttl_s} s between heartbeats)` : "";
+  fillTable("leases", table.map((r) => ({
+    className: r.expires_in_s > 0 ? "" : "expired",
+    cells: [r.entry_id, r.holder === "~released" ? "(released)" : r.holder,
+      r.expires_in_s > 0 ? `${r.expires_in_s.toFixed(1)} s` : "expired: waits for a claim", r.reclaims],
+  })));
+  const dead = (state.leases?.dead_letters || []).slice().reverse();
+  $("dead-note").textContent = state.leases ? `(${dead.length})` : "";
+  fillTable("dead", dead.map((d) => ({
+    cells: [d.group_id || d.entry_id, d.worker_id || "-", d.attempts ?? "-",
+      { text: d.reason || "-", className: "left" }, ago(now - d.time)],
+  })));
   const versions = state.versions.slice(-20).reverse();
   fillTable("versions", versions.map((v) => ({
     cells: [`v${v.version}`, v.base_version == null ? "-" : `v${v.base_version}`, bytes(v.patch_bytes),
@@ -253,19 +318,19 @@ async function getJSON(path) {
 async function poll() {
   try {
     const since = state.history.length ? state.history[state.history.length - 1].step : 0;
-    const [status, history] = await Promise.all([getJSON("v1/status"), getJSON(`v1/metrics/history?since=${since}`)]);
+    const tSince = state.throughput.length ? state.throughput[state.throughput.length - 1].time : 0;
+    const [status, history, throughput, leases] = await Promise.all([
+      getJSON("v1/status"), getJSON(`v1/metrics/history?since=${since}`),
+      getJSON(`v1/metrics/throughput?since=${tSince}`), getJSON("v1/leases").catch(() => null)]);
     state.status = status;
     state.history.push(...history.history.filter((r) => r.step > since));
+    state.throughput = state.throughput.concat(throughput.samples).slice(-720);
+    state.leases = leases;
     const now = Date.now();
     if (status.version !== state.versionSeen || now - state.versionsAt > VERSIONS_EVERY_MS) {
       state.versions = (await getJSON("v1/versions")).versions.sort((a, b) => a.version - b.version);
       state.versionSeen = status.version;
       state.versionsAt = now;
-    }
-    for (const w of status.workers || []) {
-      const points = state.throughput.get(w.worker_id) || [];
-      points.push([now, w.tokens_per_s]);
-      state.throughput.set(w.worker_id, points.slice(-THROUGHPUT_POINTS));
     }
     const error = status.error ? `trainer: ${status.error}` : "";
     $("error").hidden = !error;
@@ -280,5 +345,33 @@ async function poll() {
   renderTables();
   setTimeout(poll, POLL_MS);
 }
+
+// -- controls --
+
+// Pause and resume are write calls: they need the API token, asked once and kept for this tab.
+async function control(action) {
+  let token = sessionStorage.getItem("sparsecast-token");
+  if (!token) {
+    token = window.prompt("API token (SPARSECAST_API_TOKEN) for pause/resume:");
+    if (!token) return;
+  }
+  const headers = { Authorization: `Bearer ${token}` };
+  const response = await fetch(`v1/train/${action}`, { method: "POST", headers });
+  const notice = $("notice");
+  notice.hidden = false;
+  if (response.ok) {
+    sessionStorage.setItem("sparsecast-token", token);
+    const body = await response.json();
+    notice.textContent = `training ${body.paused ? "paused" : "resumed"} at step ${body.step}`;
+  } else {
+    if (response.status === 401) sessionStorage.removeItem("sparsecast-token");
+    let detail = response.statusText;
+    try { detail = (await response.json()).detail || detail; } catch (_) { /* not JSON */ }
+    notice.textContent = `${action} failed: ${response.status} ${detail}`;
+  }
+}
+
+$("pause").addEventListener("click", () => control("pause"));
+$("resume").addEventListener("click", () => control("resume"));
 
 poll();

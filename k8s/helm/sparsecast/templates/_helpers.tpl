@@ -111,3 +111,64 @@ env:
         key: {{ $key }}
 {{- end }}
 {{- end }}
+
+{{/* OMP_NUM_THREADS from a container's CPU limit ("2", 2, "1500m"): whole cores, at least 1;
+     empty without a CPU limit. include "sparsecast.ompThreads" .Values.trainer.resources */}}
+{{- define "sparsecast.ompThreads" -}}
+{{- $cpu := (.limits | default dict).cpu }}
+{{- if $cpu }}
+{{- $text := toString $cpu }}
+{{- if hasSuffix "m" $text }}
+{{- max 1 (div (trimSuffix "m" $text | atoi) 1000) }}
+{{- else }}
+{{- max 1 (int (float64 $text)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Pod annotations of a sparsecast service: restart on a changed ConfigMap or token Secret, and
+     Prometheus scrape hints. include "sparsecast.podAnnotations" (list . port) */}}
+{{- define "sparsecast.podAnnotations" -}}
+{{- $root := index . 0 }}
+checksum/config: {{ include (print $root.Template.BasePath "/configmap.yaml") $root | sha256sum }}
+{{- if not $root.Values.auth.existingSecret }}
+{{- /* The values the Secret is made of, not the rendered Secret: generated entries are random
+       in every render until the release exists (lookup), and kept across upgrades after. */}}
+{{- $v := $root.Values }}
+{{- $inputs := list $v.auth $v.minio.rootUser $v.minio.rootPassword $v.redis.url $v.store.s3 }}
+checksum/secret: {{ $inputs | toJson | sha256sum }}
+{{- end }}
+{{- if $root.Values.metrics.scrapeAnnotations }}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ index . 1 | quote }}
+prometheus.io/path: /metrics
+{{- end }}
+{{- end }}
+
+{{/* The trainer's model folder when model.source provisions one, else trainer.model. */}}
+{{- define "sparsecast.trainerModel" -}}
+{{- $source := .Values.model.source }}
+{{- if eq $source "volume" }}
+{{- printf "/models/%s" .Values.model.subPath | trimSuffix "/" }}
+{{- else if $source }}
+{{- print "/models/current" }}
+{{- else }}
+{{- .Values.trainer.model }}
+{{- end }}
+{{- end }}
+
+{{/* A component's extraEnv, with OMP_NUM_THREADS from its CPU limit unless extraEnv gives it.
+     include "sparsecast.threadsEnv" .Values.trainer */}}
+{{- define "sparsecast.threadsEnv" -}}
+{{- $threads := include "sparsecast.ompThreads" .resources }}
+{{- $extra := .extraEnv | default list }}
+{{- $given := false }}
+{{- range $extra }}{{ if eq .name "OMP_NUM_THREADS" }}{{ $given = true }}{{ end }}{{ end }}
+{{- if and $threads (not $given) }}
+- name: OMP_NUM_THREADS
+  value: {{ $threads | quote }}
+{{- end }}
+{{- with $extra }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,100 @@
+"""One set of demo defaults: `make demo` (services/demo/options.py) is the reference, and compose.yaml, the
+Helm chart and the kustomize base start the same training (learning rate, batch shape, KV budget
+semantics, run name)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+from services.demo.options import RUN, DemoOptions
+from tests.unit.test_deploy_compose import load_compose
+from tests.unit.test_deploy_k8s import container_env, helm_template, kubectl_kustomize, sparsecast_containers
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAINER_KEYS = ("SPARSECAST_LR", "SPARSECAST_GROUPS_PER_STEP", "SPARSECAST_SAMPLES_PER_PROMPT")
+ROLLOUT_KEYS = (
+    "SPARSECAST_KV_POLICY",
+    "SPARSECAST_KV_BUDGET",
+    "SPARSECAST_KV_BUFFER",
+    "SPARSECAST_KV_KEEP_PROMPT",
+)
+
+
+def demo_defaults() -> dict[str, object]:
+    o = DemoOptions()
+    return {
+        "SPARSECAST_RUN": RUN,
+        "SPARSECAST_LR": float(o.lr),
+        "SPARSECAST_GROUPS_PER_STEP": o.groups_per_step,
+        "SPARSECAST_SAMPLES_PER_PROMPT": o.samples_per_prompt,
+        "SPARSECAST_KV_POLICY": o.kv_policy,
+        "SPARSECAST_KV_BUDGET": o.kv_budget,
+        "SPARSECAST_KV_BUFFER": o.kv_buffer,
+        "SPARSECAST_KV_KEEP_PROMPT": o.kv_keep_prompt,
+    }
+
+
+def typed(key: str, text: str) -> object:
+    """An environment value as the setting's type: "5e-5" and "5e-05" are one learning rate."""
+    kind = type(demo_defaults()[key])
+    if kind is bool:
+        return text.strip().lower() in ("1", "true", "yes")
+    return kind(text)
+
+
+def compose_default(value: str) -> str:
+    """`${VAR:-default}` → default (what a plain `docker compose up` uses)."""
+    found = re.fullmatch(r"\$\{[A-Z_]+:-([^}]*)\}", str(value))
+    return found.group(1) if found else str(value)
+
+
+def settings_of(
+    env_by_service: dict[str, dict[str, str | None]], config: dict[str, str]
+) -> dict[str, object]:
+    out: dict[str, object] = {"SPARSECAST_RUN": typed("SPARSECAST_RUN", config["SPARSECAST_RUN"])}
+    for service, keys in (("trainer", TRAINER_KEYS), ("rollout", ROLLOUT_KEYS)):
+        for key in keys:
+            assert env_by_service[service].get(key) is not None, f"{service} does not set {key}"
+            out[key] = typed(key, env_by_service[service][key])
+    return out
+
+
+def manifests_settings(docs: list[dict]) -> dict[str, object]:
+    env = {name: container_env(container) for name, (_, container) in sparsecast_containers(docs).items()}
+    [config] = [d for d in docs if d["kind"] == "ConfigMap" and "SPARSECAST_RUN" in d.get("data", {})]
+    return settings_of(env, config["data"])
+
+
+def test_compose_starts_the_demos_training() -> None:
+    services = load_compose()["services"]
+    env = {
+        name: {k: compose_default(v) for k, v in services[name]["environment"].items()}
+        for name in ("trainer", "rollout")
+    }
+    assert settings_of(env, env["trainer"]) == demo_defaults()
+
+
+def test_helm_chart_starts_the_demos_training() -> None:
+    assert manifests_settings(helm_template()) == demo_defaults()
+
+
+def test_kustomize_starts_the_demos_training() -> None:
+    assert manifests_settings(kubectl_kustomize("cpu")) == demo_defaults()
+
+
+def test_compose_submits_whole_demo_steps() -> None:
+    command = load_compose()["services"]["demo-submit"]["command"]
+    count = int(compose_default(command[command.index("--generate") + 1]))
+    assert count == DemoOptions().steps * DemoOptions().groups_per_step
+
+
+def test_a_differing_deploy_file_is_caught() -> None:
+    # The comparison is real: the old chart learning rate differs from the demo's.
+    values = yaml.safe_load((ROOT / "k8s/helm/sparsecast/values.yaml").read_text())
+    changed = [
+        e | {"value": "2e-5"} if e["name"] == "SPARSECAST_LR" else e for e in values["trainer"]["extraEnv"]
+    ]
+    assert manifests_settings(helm_template(overrides={"trainer": {"extraEnv": changed}})) != demo_defaults()
