@@ -8,8 +8,8 @@ tells the caller whether to exit instead of starting.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
 
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
@@ -34,10 +34,12 @@ def settings_rows(settings_cls: type[BaseSettings]) -> Iterator[tuple[str, str, 
             annotation = field.annotation
             nested = isinstance(annotation, type) and issubclass(annotation, BaseModel)
             if nested and delimiter:
-                yield from walk(annotation, f"{path}{name}{delimiter}")
+                yield from walk(cast(type[BaseModel], annotation), f"{path}{name}{delimiter}")
                 continue
             if field.default_factory is not None:
-                default = "(computed)" if nested else repr(field.default_factory())
+                # Settings never take validated-data factories: a plain factory is called bare.
+                factory = cast(Callable[[], Any], field.default_factory)
+                default = "(computed)" if nested else repr(factory())
             elif field.default is PydanticUndefined:
                 default = "(required)"
             elif any(word in name for word in SECRET_WORDS):

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
@@ -300,9 +300,9 @@ class Coordinator:
         rows = await self._guarded(lambda: self.redis.xpending_range(
             self.keys.prompts, self.settings.consumer_group, min="-", max="+", count=count))
         return [{
-            "entry_id": decode(row["message_id"]),
-            "holder": decode(row["consumer"]),
-            "expires_in_s": round(ttl_s - row["time_since_delivered"] / 1000, 1),
+            "entry_id": decode(cast(bytes | str, row["message_id"])),
+            "holder": decode(cast(bytes | str, row["consumer"])),
+            "expires_in_s": round(ttl_s - int(row["time_since_delivered"]) / 1000, 1),
             "reclaims": max(0, int(row["times_delivered"]) - 1),
         } for row in rows]
 
