@@ -188,6 +188,7 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
         "fractions": fractions,
         "reuse_dense": args.reuse_dense,
         "kv_bytes_per_token": engine.kv_bytes_per_token(),
+        "cuda_graphs": engine.cuda_graphs,
         "ops_per_decode_step": {},
         "policies": rows,
         "fixed_kv_memory": fixed,

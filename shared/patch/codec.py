@@ -23,10 +23,11 @@ from typing import Literal
 import torch
 import zstandard
 
+import shared.patch.fused as fused
 from shared.dtypes import DTYPES
 
 from .errors import CorruptPatchError, FormatError, TensorMismatchError, UnknownTensorError
-from .fingerprint import fingerprint
+from .fingerprint import device_sums, digest, fingerprint
 from .format import WIDTHS, EncodedTensor, PatchHeader, Stream, TensorEntry, write_patch
 
 Encoding = Literal["auto", "values", "bitdelta"]
@@ -299,12 +300,44 @@ def _collect_changes(pending: list[tuple[list[str], torch.Tensor]], found: dict[
                 found[name] = indices
 
 
+def _fused_applies(new: Mapping[str, torch.Tensor]) -> bool:
+    return fused.available() and any(t.device.type == "cuda" for t in new.values())
+
+
+def changed_indices_and_fingerprint(
+    old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], str]:
+    """(changed_indices(old, new), fingerprint(new)). On a CUDA device with Triton, one fused pass
+    over both copies (fused.py: no model-size intermediates, one host sync) for every tensor it
+    takes, the torch paths for the rest; elsewhere the torch paths. Same results, bit for bit."""
+    if not _fused_applies(new):
+        return changed_indices(old, new), fingerprint(new)
+    if set(old) != set(new):
+        changed_indices(old, new)  # raises the usual error
+    for name in new:
+        check_pair(name, old[name], new[name])
+    names = sorted(new)
+    taken = [n for n in names if fused.fusable(old[n], new[n])]
+    rest = [n for n in names if n not in set(taken)]
+    found, sums = fused.extract_and_sums({n: old[n] for n in taken}, {n: new[n] for n in taken})
+    if rest:  # the few odd tensors (views, tails): their own syncs
+        found.update(changed_indices({n: old[n] for n in rest}, {n: new[n] for n in rest}))
+        by_device: dict[torch.device, list[str]] = {}
+        for n in rest:
+            by_device.setdefault(new[n].device, []).append(n)
+        for members in by_device.values():
+            sums.update(zip(members, device_sums([new[n] for n in members]).cpu().tolist(), strict=True))
+    return {n: found[n] for n in names if n in found}, digest(new, sums)
+
+
 def diff_states(
-    old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], encoding: Encoding
+    old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], encoding: Encoding,
+    changed: Mapping[str, torch.Tensor] | None = None,
 ) -> list[RawChange]:
-    """Raw changes of every tensor that differs bitwise (compared as integers on their device)."""
+    """Raw changes of every tensor that differs bitwise (compared as integers on their device);
+    `changed`: changed_indices(old, new) when the caller already has them."""
     raws = []
-    for name, indices in changed_indices(old, new).items():
+    for name, indices in (changed_indices(old, new) if changed is None else changed).items():
         ob, nb = bits(old[name]), bits(new[name].to(old[name].device))
         width = nb.element_size()
         new_u = to_unsigned(nb[indices], width)
@@ -334,9 +367,13 @@ def extract_patch(
     if encoding not in ("auto", *ENCODINGS):
         raise FormatError(f"unknown encoding {encoding!r}")
     with torch.no_grad():
-        raws = diff_states(old, new, encoding)
+        if target_fingerprint is None or _fused_applies(new):  # fused: the fingerprint costs no extra pass
+            indices, target_fp = changed_indices_and_fingerprint(old, new)
+            target_fp = target_fingerprint or target_fp
+        else:
+            indices, target_fp = changed_indices(old, new), target_fingerprint
+        raws = diff_states(old, new, encoding, indices)
         base_fp = base_fingerprint or fingerprint(old)
-        target_fp = target_fingerprint or fingerprint(new)
     return build_patch(
         entropy_code(raws), run=run, base_version=base_version, base_fingerprint=base_fp,
         target_version=target_version, target_fingerprint=target_fp, chunk_bytes=chunk_bytes,

@@ -217,11 +217,16 @@ def fingerprint(state: Mapping[str, torch.Tensor]) -> str:
         on_device = [n for n in names if state[n].device == device]
         # One host transfer per device instead of one sync per tensor.
         host.update(zip(on_device, device_sums([state[n] for n in on_device]).cpu().tolist(), strict=True))
+    return digest(state, host)
+
+
+def digest(state: Mapping[str, torch.Tensor], sums: Mapping[str, int]) -> str:
+    """The fingerprint from each tensor's S (as returned by device_sums, any integer form)."""
     h = hashlib.blake2b(digest_size=16, person=b"sparsecast-fp1")
-    for name in names:
+    for name in sorted(state):
         t = state[name]
         h.update(f"{name}\0{str(t.dtype).removeprefix('torch.')}\0{tuple(t.shape)}\0".encode())
-        h.update((host[name] & (2**64 - 1)).to_bytes(8, "little"))
+        h.update((sums[name] & (2**64 - 1)).to_bytes(8, "little"))
     return FINGERPRINT_PREFIX + h.hexdigest()
 
 

@@ -45,7 +45,7 @@ class CacheAttention:
         c.positions[:, :, :, :width] = slots.to(torch.int32)
         self._prefill_lengths = lengths
         c.lengths = list(c.prompt_lengths)
-        c.lengths_t = lengths.clone()
+        c.set_lengths_t(lengths)
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """AttendFn for the padded prompt batch: q [B, Hq, T, D], k/v [B, Hkv, T, D]."""

@@ -8,13 +8,19 @@ but per-head policies keep different tokens in each head. Compression gathers th
 each (row, head) to the front, one layer at a time, so the extra memory it needs is one layer's
 worth and the batch's KV memory never depends on the generated length.
 
-Attention over the cache (writing new keys and values, attending) is attention.CacheAttention's.
+Attention over the cache (writing new keys and values, attending) is attention.CacheAttention's,
+or, for a `static` cache, fused_decode.FusedDecoder's. A static cache (CUDA graphs,
+cuda_graphs.py) never reallocates: rows that leave the batch are compacted in place and the
+tensors above become views of the first live rows; per-row lengths and the query ring's slot also
+live on the device, so one captured decode step serves every step. Compression runs outside the
+graph, in place, as for the eager cache.
 """
 
 from __future__ import annotations
 
 import torch
 
+import services.rollout.engine.kernels as kernels
 from services.rollout.engine.config import KVConfig
 from services.rollout.engine.policies import EvictionPolicy, make_policy
 
@@ -22,7 +28,7 @@ from services.rollout.engine.policies import EvictionPolicy, make_policy
 class KVCache:
     def __init__(self, *, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  prompt_lengths: list[int], capacity: int, kv: KVConfig, dtype: torch.dtype,
-                 device: torch.device, span_bucket: int | None = None) -> None:
+                 device: torch.device, span_bucket: int | None = None, static: bool = False) -> None:
         batch = len(prompt_lengths)
         self.kv = kv
         self.policy: EvictionPolicy = make_policy(kv)
@@ -48,6 +54,14 @@ class KVCache:
         self.lengths = [0] * batch
         self.protected = list(prompt_lengths) if kv.keep_prompt else [0] * batch
         self.lengths_t = torch.zeros(batch, dtype=torch.long, device=device)
+        self.static = static
+        if static:
+            # The whole allocation (graphs address it), and the ring's next slot on the device.
+            self._k_full, self._v_full, self._positions_full = self.k, self.v, self.positions
+            self._q_window_full = self.q_window
+            self._lengths_full = self.lengths_t
+            self.q_next_t = torch.zeros(1, dtype=torch.long, device=device)
+            self.attn_buffers = kernels.attention_buffers(batch, num_heads, capacity, head_dim, device)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -67,11 +81,53 @@ class KVCache:
 
     # ------------------------------------------------------------------ bookkeeping
     def advance(self) -> None:
-        """One decode step was stored in every row (attention.CacheAttention wrote it)."""
+        """One decode step was stored in every row (attention.CacheAttention wrote it; for a static
+        cache the captured step advanced the device side, advance_static, and this is the host's)."""
         self.lengths = [n + 1 for n in self.lengths]
-        self.lengths_t = self.lengths_t + 1
+        if not self.static:
+            self.lengths_t = self.lengths_t + 1
         if self.q_window is not None:
             self.q_next = (self.q_next + 1) % self.kv.window
+
+    def set_lengths_t(self, lengths: torch.Tensor) -> None:
+        """New per-row lengths on the device (a static cache keeps its buffer)."""
+        if self.static:
+            self.lengths_t.copy_(lengths)
+        else:
+            self.lengths_t = lengths.clone()
+
+    # ------------------------------------------------------------------ static decode (CUDA graphs)
+    def record_positions(self, positions: torch.Tensor) -> None:
+        """Graph-safe: positions [b] of the new tokens at slot lengths[row], rows [0, b)."""
+        b = positions.shape[0]
+        full = self._positions_full
+        slot = self._lengths_full[:b].clamp(max=self.capacity - 1)
+        shape = (full.shape[0], b, full.shape[2], 1)
+        full[:, :b].scatter_(3, slot.view(1, b, 1, 1).expand(shape),
+                             positions.to(torch.int32).view(1, b, 1, 1).expand(shape))
+
+    def static_lengths(self, b: int) -> torch.Tensor:
+        """Stored tokens of rows [0, b) of the allocation (b = graph bucket), on the device."""
+        return self._lengths_full[:b]
+
+    def static_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(K, V, query ring or None) of one layer over the whole allocation, for fused_decode."""
+        q_window = self._q_window_full
+        return self._k_full[layer], self._v_full[layer], None if q_window is None else q_window[layer]
+
+    def advance_static(self, b: int) -> None:
+        """Graph-safe end of a decode step on the device (the host side: advance)."""
+        self._lengths_full[:b] += 1
+        if self.q_window is not None:
+            self.q_next_t.add_(1).remainder_(self.kv.window)
+
+    def device_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What advance_static changes (for a graph's warm-up step to be undone)."""
+        return self._lengths_full.clone(), self.q_next_t.clone()
+
+    def restore_device_state(self, state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self._lengths_full.copy_(state[0])
+        self.q_next_t.copy_(state[1])
 
     def window_queries(self, layer: int) -> torch.Tensor:
         """The last `window` queries of a layer, oldest first: [B, Hq, W, D]."""
@@ -116,7 +172,7 @@ class KVCache:
                 # must start from zero, not inherit them.
                 self.attn_acc[layer, :, :, :span].masked_fill_(~rank_ok, 0.0)
         self.lengths = keep
-        self.lengths_t = torch.tensor(keep, device=dev)
+        self.set_lengths_t(torch.tensor(keep, device=dev))
         return evicted
 
     def _gather_(self, layer: int, perm: torch.Tensor, span: int) -> None:
@@ -130,6 +186,8 @@ class KVCache:
     # ------------------------------------------------------------------ batch
     def select_rows(self, rows: list[int]) -> None:
         """Keep only these rows (finished sequences leave the batch)."""
+        if self.static:
+            return self._compact_rows(rows)
         index = torch.tensor(rows, device=self.device)
         self.k = self.k.index_select(1, index)
         self.v = self.v.index_select(1, index)
@@ -142,6 +200,28 @@ class KVCache:
         self.protected = [self.protected[r] for r in rows]
         self.prompt_lengths = [self.prompt_lengths[r] for r in rows]
         self.lengths_t = self.lengths_t.index_select(0, index)
+
+    def _compact_rows(self, rows: list[int]) -> None:
+        """select_rows of a static cache: live rows move to the front of the allocation, in place
+        (row by row, in increasing order: a row is only ever copied to a lower one already moved)."""
+        buffers = [self._k_full, self._v_full, self._positions_full]
+        if self._q_window_full is not None:
+            buffers.append(self._q_window_full)
+        for new, old in enumerate(rows):
+            if new != old:
+                for buf in buffers:
+                    buf[:, new].copy_(buf[:, old])
+        n = len(rows)
+        lengths = self._lengths_full
+        lengths[:n] = lengths.index_select(0, torch.tensor(rows, device=self.device))
+        lengths[n:] = 0  # rows past the live batch in a padded graph bucket start over
+        self.k, self.v, self.positions = self._k_full[:, :n], self._v_full[:, :n], self._positions_full[:, :n]
+        if self._q_window_full is not None:
+            self.q_window = self._q_window_full[:, :n]
+        self.lengths_t = lengths[:n]
+        self.lengths = [self.lengths[r] for r in rows]
+        self.protected = [self.protected[r] for r in rows]
+        self.prompt_lengths = [self.prompt_lengths[r] for r in rows]
 
 
 def cache_capacity(prompt_lengths: list[int], max_new_tokens: int, kv: KVConfig) -> int:

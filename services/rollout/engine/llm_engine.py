@@ -6,6 +6,10 @@ sequences hit a stop token, which it reads back every `FINISH_CHECK_STEPS` steps
 stopped meanwhile decodes a few discarded tokens; its outputs and KV stats end at its stop token).
 Finished sequences leave the batch once a quarter of the rows are finished (moving the cache
 costs a copy, so it is amortised rather than done per finish).
+
+On CUDA with Triton, decode steps replay CUDA graphs (cuda_graphs.py) over a static cache, except
+for H2O, whose attention weights the fused kernels do not return; `cuda_graphs=False` keeps the
+eager step everywhere.
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import PretrainedConfig
 
+import services.rollout.engine.kernels as kernels
 from services.rollout.engine.attention import CacheAttention
 from services.rollout.engine.config import GenerationOutput, KVConfig, SamplingParams, check_token_ids
+from services.rollout.engine.cuda_graphs import DecodeGraphs
+from services.rollout.engine.fused_decode import fuse_projections
 from services.rollout.engine.kv_cache import KVCache, cache_capacity
 from services.rollout.engine.sampler import sample
 from services.rollout.engine.sequence import Sequence
@@ -35,15 +42,24 @@ class LLMEngine:
     name = "native"
 
     def __init__(self, model_or_config: DecoderLM | PretrainedConfig, *, device: str | torch.device = "cpu",
-                 dtype: torch.dtype | None = None) -> None:
-        """Wrap a DecoderLM, or build one with random weights from a transformers config (tests,
-        benchmarks)."""
+                 dtype: torch.dtype | None = None, cuda_graphs: bool | None = None) -> None:
+        """Wrap a DecoderLM, or build one with random weights from a transformers config (tests, benchmarks).
+
+        cuda_graphs: decode through CUDA graphs (default: on a CUDA device where Triton is installed)."""
         model = model_or_config if isinstance(model_or_config, DecoderLM) else DecoderLM(model_or_config)
         if dtype is not None:
             model = model.to(dtype)
         self.model = model.to(device).eval().requires_grad_(False)
         self.device = torch.device(device)
         self.config = self.model.config
+        graphs_possible = self.device.type == "cuda" and kernels.available()
+        if cuda_graphs and not graphs_possible:
+            raise ValueError("cuda_graphs needs a CUDA device and Triton")
+        self.cuda_graphs = graphs_possible if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs:
+            # Now, not at the first generate: state_dict() hands out the fused buffers' views from
+            # the start, so no caller can hold a tensor that stops being the live weight.
+            fuse_projections(self.model)
         # Allocated KV bytes of the last batch (the cache itself, not per sequence): for benchmarks.
         self.last_batch_kv_bytes = 0
 
@@ -85,6 +101,7 @@ class LLMEngine:
         lengths = [len(p) for p in prompts]
         batch, width, max_new = len(prompts), max(lengths), params.max_new_tokens
         seqs = [Sequence(i, n) for i, n in enumerate(lengths)]
+        use_graphs = self.cuda_graphs and kv.policy != "h2o"  # H2O needs the attention weights
         cache = KVCache(
             num_layers=model.num_layers,
             num_heads=model.num_heads,
@@ -95,6 +112,7 @@ class LLMEngine:
             kv=kv,
             dtype=self.dtype,
             device=dev,
+            static=use_graphs,
         )
         self.last_batch_kv_bytes = cache.nbytes
 
@@ -120,6 +138,7 @@ class LLMEngine:
         rows = list(seqs)  # rows[r] = sequence in cache row r
         rows_t = torch.arange(batch, device=dev)
         positions = lengths_t.clone()
+        graphs = DecodeGraphs(model, cache, positions) if use_graphs else None
         check_every = FINISH_CHECK_STEPS if len(stop_ids) else max_new  # no stop tokens: nothing to read
         checked = 0  # steps [0, checked) have been searched for stop tokens
         for step in range(max_new):
@@ -135,13 +154,19 @@ class LLMEngine:
                     break
                 if len(rows) - len(live) >= max(1, len(rows) // 4):
                     cache.select_rows(live)
+                    if graphs is not None:
+                        graphs.select_rows(live)
                     index = torch.tensor(live, device=dev)
                     rows, rows_t = [rows[r] for r in live], rows_t.index_select(0, index)
                     tokens, positions = tokens.index_select(0, index), positions.index_select(0, index)
-            attention.begin_decode(positions)
-            hidden = model(tokens[:, None], positions[:, None], attention.decode)
-            attention.end_decode()
-            positions = positions + 1
+            if graphs is not None:
+                logits = graphs.step(tokens)
+                cache.advance()
+            else:
+                attention.begin_decode(positions)
+                hidden = model(tokens[:, None], positions[:, None], attention.decode)
+                attention.end_decode()
+                positions = positions + 1
             for s, n in zip(rows, cache.lengths, strict=True):
                 if not s.finished:
                     s.record(step, n)
@@ -149,7 +174,8 @@ class LLMEngine:
                 for s, evicted in zip(rows, cache.compress(), strict=True):
                     if not s.finished:
                         s.record(step, 0, evicted)
-            logits = model.logits(hidden[:, 0])
+            if graphs is None:
+                logits = model.logits(hidden[:, 0])
 
         token_lists, logprob_lists = out_tokens.tolist(), out_logprobs.tolist()
         per_token = cache.bytes_per_token

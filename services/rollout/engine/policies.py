@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+import services.rollout.engine.kernels as kernels
 from services.rollout.engine.attention_weights import grouped_probs
 from services.rollout.engine.config import KVConfig
 
@@ -82,7 +83,11 @@ class RKV(EvictionPolicy):
 
     def score(self, cache: KVCache, layer: int, span: int, valid: torch.Tensor) -> torch.Tensor:
         importance = pool(window_attention(cache, layer, span), self.kv)
-        redundancy = key_redundancy(cache.k[layer, :, :, :span], valid, self.kv.similarity_threshold)
+        keys = cache.k[layer, :, :, :span]
+        if keys.is_cuda and kernels.available():
+            redundancy = key_redundancy_fused(keys, valid, self.kv.similarity_threshold)
+        else:
+            redundancy = key_redundancy(keys, valid, self.kv.similarity_threshold)
         lam = self.kv.mix_lambda
         return lam * importance - (1.0 - lam) * redundancy
 
@@ -160,3 +165,22 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float) ->
         mean = sim.sum(dim=-2) / ok.sum(dim=-1).clamp(min=1)[:, None, None]  # column j: redundancy of key j
         out[start:start + step] = mean.masked_fill(~ok[:, None], float("-inf")).softmax(dim=-1)
     return out
+
+
+def key_redundancy_fused(keys: torch.Tensor, valid: torch.Tensor, threshold: float) -> torch.Tensor:
+    """key_redundancy without the S×S similarity tensor (CUDA, Triton); valid must mark a prefix.
+
+    Column j's sum over the other keys is k̂_j·Σ_i k̂_i − |k̂_j|² (k̂: unit keys, free slots 0), one
+    matrix-vector product; the near-duplicate entries R-KV drops come from one kernel pass that keeps,
+    per key, only its latest near-duplicate and their cosine (kernels.key_redundancy_stats), and are
+    subtracted from their columns. Same quantity as key_redundancy up to fp32 rounding.
+    """
+    lengths = valid.sum(dim=-1)
+    latest, value = kernels.key_redundancy_stats(keys, lengths, threshold)
+    k = keys.float()
+    k = (k / (k.norm(dim=-1, keepdim=True) + 1e-8)).masked_fill_(~valid[:, None, :, None], 0.0)
+    total = k.sum(dim=2, keepdim=True)  # [B, H, 1, D]
+    column = (k * total).sum(dim=-1) - (k * k).sum(dim=-1)  # [B, H, S]
+    column.scatter_add_(-1, latest.clamp(min=0).long(), torch.where(latest >= 0, -value, 0.0))
+    mean = column / lengths.clamp(min=1)[:, None, None]
+    return mean.masked_fill(~valid[:, None], float("-inf")).softmax(dim=-1)
