@@ -4,7 +4,8 @@ Random-weight Qwen3 shape (shared.modeling), `--batch` prompts of `--prompt` tok
 `generate` of `--warm` tokens is run unprofiled (warm-up, graph capture), then `--steps` + 1 and 1
 tokens under torch.profiler; their difference over `--steps` gives device time per decode step by
 kernel (CUDA; CPU ops on a CPU) and the wall time per step, without the prefill. `--context` pads
-the prompts so the steps run at that cache length (attention cost grows with it). Prints a JSON summary; `--out` also writes it.
+the prompts so the steps run at that cache length (attention cost grows with it). Prints a JSON summary;
+`--out` also writes it.
 """
 
 from __future__ import annotations
