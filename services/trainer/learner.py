@@ -77,7 +77,7 @@ class Learner:
     distributed learner (distributed.py) overrides; the update itself is written once, here."""
 
     loss_scale = 1.0  # FSDP averages gradients over ranks; the distributed learner undoes that
-    world_size = 1
+    world_size, rank = 1, 0
 
     def __init__(self, settings: TrainerSettings, model_dir: Path, pad_id: int) -> None:
         self.settings = settings
@@ -287,7 +287,8 @@ class Learner:
         with warnings.catch_warnings():  # one process: DCP says it assumes so
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             dcp.save({"model": model, "optim": optim}, checkpoint_id=directory)
-        torch.save({"step": self.step, "shuffle": self.shuffle.get_state()}, directory / "learner.pt")
+        if self.rank == 0:
+            torch.save({"step": self.step, "shuffle": self.shuffle.get_state()}, directory / "learner.pt")
 
     def load(self, directory: Path) -> None:
         model, optim = get_state_dict(self.model, self.optimizer)
