@@ -164,9 +164,12 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
         state["coord"], state["registry"], state["ledger"] = coord, client, ledger
         stop = asyncio.Event()
 
+        built: list[Trainer] = []
+
         async def boot() -> None:
             try:
                 trainer = await asyncio.to_thread(Trainer, settings, client, coord, ledger=ledger, health=health)
+                built.append(trainer)
                 await trainer.start(stop)
                 state["trainer"] = trainer
                 await trainer.run(stop)
@@ -185,6 +188,8 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
             stop.set()
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
                 await asyncio.wait_for(task, timeout=60)
+            for trainer in built:  # under torchrun: let the other ranks go
+                await asyncio.to_thread(trainer.learner.close)
             await client.aclose()
             await redis.aclose()
 

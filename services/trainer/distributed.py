@@ -63,18 +63,22 @@ def launched_distributed() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+# How long a follower waits for rank 0's next command: the service sends none while it waits for
+# trajectories (a paused or idle run), so this is long; a dead rank 0 ends the job via torchrun.
+COMMAND_TIMEOUT = timedelta(days=7)
+
+
 def init_process_groups(device: str = "auto", timeout_s: float = 1800.0) -> tuple[int, int]:
     """Join the job torchrun describes in the environment (RANK, WORLD_SIZE, MASTER_ADDR, ...):
-    the compute group (nccl on GPUs, gloo on CPUs) and a gloo group for commands. The timeout
-    bounds a follower's wait for the next command, so it is long (a step may take minutes; the
-    service sends a command at least every step). Returns (rank, world size)."""
+    the compute group (nccl on GPUs, gloo on CPUs; `timeout_s` bounds one collective) and a gloo
+    group for commands. Returns (rank, world size)."""
     global _control
     on_gpu = resolve_device(device).type == "cuda"
     if on_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if on_gpu else "gloo", timeout=timedelta(seconds=timeout_s))
-    _control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    _control = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -110,6 +114,9 @@ class DistributedLearner(Learner):
             if name == STOP:
                 return
             _COMMANDS[name](self, *args)
+
+    def close(self) -> None:
+        self.stop_followers()
 
     def stop_followers(self) -> None:
         if self.rank == 0:
@@ -335,6 +342,29 @@ _COMMANDS: dict[str, Any] = {
     "load": Learner.load,
     "evaluate": DistributedLearner._evaluate,
 }
+
+
+def prepare_model(settings: TrainerSettings) -> Path:
+    """The model directory, made by rank 0 first when it must be (the tiny-demo warm start), then
+    by the others from its cache (on one node; several nodes need a model directory they all see)."""
+    from services.trainer.core import resolve_model_dir
+
+    if dist.get_rank() == 0:
+        path = resolve_model_dir(settings)
+        dist.barrier(group=control_group())
+    else:
+        dist.barrier(group=control_group())
+        path = resolve_model_dir(settings)
+    return path
+
+
+def run_follower(settings: TrainerSettings, model_dir: Path) -> None:
+    """Ranks > 0 of the trainer service: the same learner as rank 0's, driven by it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    follow_until_stopped(DistributedLearner(settings, model_dir, pad_id))
 
 
 def follow_until_stopped(learner: DistributedLearner) -> None:

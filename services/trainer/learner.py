@@ -279,6 +279,9 @@ class Learner:
                 target.copy_(tensor.to(target.device, target.dtype))
         self._init_published()
 
+    def close(self) -> None:
+        """Release what the learner drives (the distributed learner's followers)."""
+
     # -- checkpoints (torch.distributed.checkpoint: any world size reads any other's) --
 
     def save(self, directory: Path) -> None:
