@@ -308,3 +308,58 @@ def test_chart_redis_template_mounts_its_claim() -> None:
     assert '"--appendonly", "yes"' in text and "kind: PersistentVolumeClaim" in text
     assert text.count('{{ include "sparsecast.fullname" . }}-redis') >= 3  # deployment, claim ref, claim
     assert load_values()["redis"]["persistence"]["enabled"] is True
+
+
+DISTRIBUTED = {"trainer": {"distributed": {"enabled": True, "dataClaim": "shared-data"}}}
+
+
+@pytest.mark.parametrize(
+    ("change", "valid"),
+    [
+        (DISTRIBUTED, True),
+        ({"trainer": {"distributed": {"enabled": True}}}, False),  # no shared volume for the shards
+        ({"trainer": {"distributed": {"enabled": True, "dataClaim": "d", "nnodes": 0}}}, False),
+        ({"trainer": {"distributed": {"enabled": True, "dataClaim": "d", "nprocPerNode": 0}}}, False),
+        ({"trainer": {"distributed": {"enabled": True, "dataClaim": "d", "gpus": 8}}}, False),
+    ],
+)
+def test_chart_schema_for_the_distributed_trainer(change: dict, valid: bool) -> None:
+    values = load_values()
+    deep_merge(values, copy.deepcopy(change))
+    assert (values_errors(values) == []) is valid
+
+
+def test_chart_distributed_trainer_template() -> None:
+    # Static checks (helm is not on these machines): a torchrun StatefulSet found through a
+    # headless Service, GPUs per pod, node rank from the pod index; the Deployment steps aside.
+    text = (CHART / "templates" / "trainer-distributed.yaml").read_text()
+    assert text.count("{{- if .Values.trainer.distributed.enabled }}") == 1
+    for needle in ("kind: StatefulSet", "clusterIP: None", "publishNotReadyAddresses: true",
+                   'command: ["torchrun"]', "--nnodes={{ $d.nnodes }}", "--nproc_per_node={{ $d.nprocPerNode }}",
+                   "--node_rank=$(NODE_RANK)", "apps.kubernetes.io/pod-index", '"nvidia.com/gpu" $d.nprocPerNode',
+                   "- services.trainer", "$d.dataClaim", "podManagementPolicy: Parallel"):
+        assert needle in text, needle
+    trainer = (CHART / "templates" / "trainer.yaml").read_text()
+    assert trainer.splitlines()[1] == "{{- if not .Values.trainer.distributed.enabled }}"
+    assert "statefulset.kubernetes.io/pod-name" in trainer  # the API Service reaches node rank 0 only
+    assert load_values()["trainer"]["distributed"]["enabled"] is False
+
+
+def test_helm_template_distributed_trainer() -> None:
+    rendered = helm("template", "demo", str(CHART), "--namespace", "sparsecast",
+                    "--set", "trainer.distributed.enabled=true", "--set", "trainer.distributed.dataClaim=shared",
+                    "--set", "trainer.distributed.nnodes=3", "--set", "trainer.distributed.nprocPerNode=4")
+    assert rendered.returncode == 0, rendered.stderr
+    docs = [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
+    docs = [d for d in docs if "helm.sh/hook" not in d["metadata"].get("annotations", {})]
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    assert not any(d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-trainer") for d in docs)
+    [sts] = [d for d in docs if d["kind"] == "StatefulSet"]
+    assert sts["spec"]["replicas"] == 3
+    [container] = sts["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["torchrun"] and container["args"][-2:] == ["-m", "services.trainer"]
+    assert "--nproc_per_node=4" in container["args"] and int(container["resources"]["limits"]["nvidia.com/gpu"]) == 4
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    assert services[sts["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
+    assert services["demo-sparsecast-trainer"]["spec"]["selector"]["statefulset.kubernetes.io/pod-name"].endswith("-0")
