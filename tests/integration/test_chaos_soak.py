@@ -57,7 +57,8 @@ REGISTRY_DOWN_S = 60.0
 # is down at most about half the time and 60 steps fit in a few minutes of this 2-core machine.
 REGISTRY_UP_BETWEEN_S = 60.0
 WALL_LIMIT_S = 900.0
-KINDS = ("worker_kill", "redis_client_kill", "redis_restart", "registry_down", "poison_prompt")
+KINDS = ("worker_kill", "redis_client_kill", "redis_restart", "registry_down", "poison_prompt", "oversized_prompt")
+OVERSIZED_PROMPT_CHARS = 10 << 20  # the 10 MB prompt of the fault table (row 5)
 # Leases of a few seconds bring a killed worker's groups back quickly; max_attempts is high enough
 # that good groups survive several kills, and a poison group is dead-lettered after as many tries.
 COORD = CoordSettings(lease_ttl_s=3.0, max_attempts=8, base_claim=GROUPS_PER_STEP, max_claim=GROUPS_PER_STEP)
@@ -239,8 +240,23 @@ class Soak:
                                 samples=SAMPLES)
             asyncio.run(self._enqueue(group))
             fault["group"] = gid
+        elif kind == "oversized_prompt":
+            fault |= self.submit_oversized()
         self.faults.append(fault)
         return fault
+
+    def submit_oversized(self) -> dict[str, Any]:
+        """A 10 MB prompt through the API must be refused with a 4xx before it reaches Redis; the
+        group id is checked afterwards to be neither trained nor dead-lettered."""
+        gid = f"oversized-{sum(1 for f in self.faults if f['kind'] == 'oversized_prompt')}"
+        body = {"task": "addition", "samples_per_prompt": SAMPLES,
+                "prompts": [{"id": gid, "prompt": "add 1+2\n" + "9" * OVERSIZED_PROMPT_CHARS, "answer": "3"}]}
+        try:
+            r = httpx.post(f"{self.trainer_url}/v1/prompts", timeout=60, json=body,
+                           headers={"Authorization": f"Bearer {TOKEN}"})
+        except httpx.HTTPError as exc:  # the trainer busy or restarting: a timeout is no verdict
+            return {"group": gid, "status": None, "note": type(exc).__name__}
+        return {"group": gid, "status": r.status_code, "detail": r.text[:160]}
 
     async def _enqueue(self, group: PromptGroup) -> None:
         client = aioredis.from_url(self.redis.url)
@@ -422,6 +438,9 @@ class Soak:
             "groups_trained_twice": sum(1 for g in trained if trained[g] > 1),
             "unknown_groups_trained": sorted(g for g in trained if g not in set(ids)),
             "poison_groups": len(self.poison_ids),
+            "oversized_groups_seen": sorted({g for g in trained if g.startswith("oversized-")}
+                                            | {d.get("group_id", "") for d in dead
+                                               if d.get("group_id", "").startswith("oversized-")}),
             "poison_dead_lettered": len(dead_poison),
             "poison_reasons": sorted({d["reason"][:120] for d in dead if d.get("group_id", "").startswith("poison-")}),
             "worker_versions_at_end": versions,
@@ -449,6 +468,10 @@ def check(figures: dict[str, Any]) -> None:
     assert figures["groups_trained"] == figures["groups_submitted"] and not figures["unknown_groups_trained"]
     assert set(figures["faults_by_kind"]) == set(KINDS), figures["faults_by_kind"]
     assert figures["poison_dead_lettered"] == figures["poison_groups"], figures["poison_reasons"]
+    oversized = [f for f in figures["faults"] if f["kind"] == "oversized_prompt"]
+    assert oversized and all(f["status"] in (413, 422) for f in oversized if f["status"] is not None), oversized
+    assert any(f["status"] is not None for f in oversized), oversized
+    assert not figures["oversized_groups_seen"], figures["oversized_groups_seen"]
     kills = [f for f in figures["faults"] if f["kind"] == "worker_kill"]
     assert kills and all(f["leases_held"] >= 1 for f in kills), kills
     assert all(v == figures["head_version"] for v in figures["worker_versions_at_end"].values())
