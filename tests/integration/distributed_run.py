@@ -5,7 +5,8 @@ python -m tests.integration.distributed_run OUT_DIR MODEL_DIR
 
 Phase 1 (world 2, torch.multiprocessing): rank 0 drives, rank 1 follows. One step on both
 learners: metrics, master weights, the published patch and fingerprints; held-out evaluation;
-a DCP checkpoint after step 1, then a second step. Phase 2 (this process, world 1): a plain
+a DCP checkpoint after step 1, then a second step on 9 sequences (rank 1 gets fewer micro-batches
+and runs empty passes). Phase 2 (this process, world 1): a plain
 Learner resumes from that checkpoint and takes the same second step.
 """
 
@@ -67,7 +68,7 @@ def _worker(rank: int, out: str, model_dir: str, port: int) -> None:
         return
     result: dict[str, Any] = {}
     single = Learner(settings(out_dir), Path(model_dir), pad_id=0)
-    batch1, batch2 = _trajectories(vocab=90, seed=1), _trajectories(vocab=90, seed=2)
+    batch1, batch2 = _trajectories(vocab=90, seed=1), _trajectories(vocab=90, groups=3, samples=3, seed=2)
     v0 = learner.full_published()
     result["fingerprint_v0"] = [learner.published_fingerprint, single.published_fingerprint, fingerprint(v0)]
     task = get_task("addition")
@@ -109,7 +110,7 @@ def resume_at_world_one(out_dir: Path, model_dir: Path) -> dict[str, Any]:
     at_save = torch.load(out_dir / "master_at_save.pt")
     result = {"fingerprint": learner.published_fingerprint, "step": learner.step,
               "master_diff_at_load": max_diff(master(learner), at_save)}
-    learner.train_step(_trajectories(vocab=90, seed=2), version=1)
+    learner.train_step(_trajectories(vocab=90, groups=3, samples=3, seed=2), version=1)
     result["master_diff_step2"] = max_diff(master(learner), torch.load(out_dir / "master_step2.pt"))
     return result
 
