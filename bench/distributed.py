@@ -48,7 +48,10 @@ def make_model_dir(shape: str, path: Path, device: torch.device) -> None:
     config = qwen3_config(shape)
     tokenizer = save_tokenizer(path)
     config.bos_token_id, config.eos_token_id, config.pad_token_id = (
-        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     with torch.device(device):  # random init on the GPU: minutes faster than on a CPU for billions
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -56,26 +59,47 @@ def make_model_dir(shape: str, path: Path, device: torch.device) -> None:
     del model
 
 
-def rollout(engine: LLMEngine, args: argparse.Namespace, step: int, vocab: int) -> tuple[list[Trajectory], int]:
+def rollout(
+    engine: LLMEngine, args: argparse.Namespace, step: int, vocab: int
+) -> tuple[list[Trajectory], int]:
     rng = random.Random(step)
-    prompts = [[1] + [rng.randrange(4, vocab) for _ in range(args.prompt_tokens - 1)] for _ in range(args.groups)]
+    prompts = [
+        [1] + [rng.randrange(4, vocab) for _ in range(args.prompt_tokens - 1)] for _ in range(args.groups)
+    ]
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, seed=step)
     kv = KVConfig(policy="rkv", budget=args.kv_budget, buffer=args.kv_buffer)
     outputs = engine.generate([p for p in prompts for _ in range(args.samples)], params, kv)
     trajectories, tokens = [], 0
     for g, prompt in enumerate(prompts):
         samples = []
-        for out in outputs[g * args.samples:(g + 1) * args.samples]:
+        for out in outputs[g * args.samples : (g + 1) * args.samples]:
             tokens += len(prompt) + len(out.token_ids)
-            samples.append(Sample(completion="", prompt_ids=prompt, completion_ids=out.token_ids,
-                                  logprobs=out.logprobs, reward=rng.random(), correct=False,
-                                  finish_reason=out.finish_reason,
-                                  kv=KVStats(peak_tokens=out.kv.peak_tokens, peak_bytes=out.kv.peak_bytes,
-                                             evicted=out.kv.evicted)))
-        trajectories.append(Trajectory(group_id=f"s{step}-{g}", attempt=1, policy_version=step, worker_id="bench",
-                                       task="addition", prompt="", samples=samples,
-                                       sampling=SamplingInfo(temperature=1.0, kv_policy="rkv",
-                                                             kv_budget=args.kv_budget)))
+            samples.append(
+                Sample(
+                    completion="",
+                    prompt_ids=prompt,
+                    completion_ids=out.token_ids,
+                    logprobs=out.logprobs,
+                    reward=rng.random(),
+                    correct=False,
+                    finish_reason=out.finish_reason,
+                    kv=KVStats(
+                        peak_tokens=out.kv.peak_tokens, peak_bytes=out.kv.peak_bytes, evicted=out.kv.evicted
+                    ),
+                )
+            )
+        trajectories.append(
+            Trajectory(
+                group_id=f"s{step}-{g}",
+                attempt=1,
+                policy_version=step,
+                worker_id="bench",
+                task="addition",
+                prompt="",
+                samples=samples,
+                sampling=SamplingInfo(temperature=1.0, kv_policy="rkv", kv_budget=args.kv_budget),
+            )
+        )
     return trajectories, tokens
 
 
@@ -84,7 +108,9 @@ def peak_gib() -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--shape", default="4b")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--groups", type=int, default=8)
@@ -106,10 +132,19 @@ def main() -> None:
 
     distributed = launched_distributed()
     rank, world = init_process_groups(args.device) if distributed else (0, 1)
-    settings = TrainerSettings(model="unused", device=args.device, lr=args.lr, micro_batch=args.micro_batch,
-                               ppo_updates=4, activation_checkpointing=args.activation_checkpointing)
-    device = torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() and \
-        args.device != "cpu" else torch.device("cpu")
+    settings = TrainerSettings(
+        model="unused",
+        device=args.device,
+        lr=args.lr,
+        micro_batch=args.micro_batch,
+        ppo_updates=4,
+        activation_checkpointing=args.activation_checkpointing,
+    )
+    device = (
+        torch.device(f"cuda:{torch.cuda.current_device()}")
+        if torch.cuda.is_available() and args.device != "cpu"
+        else torch.device("cpu")
+    )
     model_dir = Path(args.model_dir or f"/tmp/sparsecast-bench-{args.shape}")
     if rank == 0:
         make_model_dir(args.shape, model_dir, device)
@@ -158,22 +193,35 @@ def main() -> None:
         del before
         header = read_header(patch)
         row = {
-            "step": step + 1, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
-            "sequences": metrics["sequences"], "tokens": tokens, "rollout_seconds": rollout_seconds,
-            "train_seconds": train_seconds, "tokens_per_second": tokens / train_seconds,
-            "capture_seconds": capture_seconds, "build_seconds": build_seconds,
-            "extract_seconds": capture_seconds + build_seconds, "single_process_extract_seconds": single_seconds,
-            "apply_seconds": apply_seconds, "patch_bytes": len(patch), "changed": header.changed,
+            "step": step + 1,
+            "loss": metrics["loss"],
+            "grad_norm": metrics["grad_norm"],
+            "sequences": metrics["sequences"],
+            "tokens": tokens,
+            "rollout_seconds": rollout_seconds,
+            "train_seconds": train_seconds,
+            "tokens_per_second": tokens / train_seconds,
+            "capture_seconds": capture_seconds,
+            "build_seconds": build_seconds,
+            "extract_seconds": capture_seconds + build_seconds,
+            "single_process_extract_seconds": single_seconds,
+            "apply_seconds": apply_seconds,
+            "patch_bytes": len(patch),
+            "changed": header.changed,
             "changed_fraction": header.changed / learner.numel,
             "patch_identical_to_single_process": patch == single,
-            "worker_fingerprint_equal": fingerprint(live) == captured.fingerprint == header.target_fingerprint,
+            "worker_fingerprint_equal": fingerprint(live)
+            == captured.fingerprint
+            == header.target_fingerprint,
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
     if distributed:
         learner.stop_followers()  # type: ignore[attr-defined]
         others = [None] * world
-        torch.distributed.gather_object({"rank": 0, "peak_gib": peak_gib()}, others, dst=0, group=control_group())
+        torch.distributed.gather_object(
+            {"rank": 0, "peak_gib": peak_gib()}, others, dst=0, group=control_group()
+        )
         peaks = [r["peak_gib"] for r in others]  # type: ignore[index]
     else:
         peaks = [peak_gib()]
@@ -182,20 +230,25 @@ def main() -> None:
     extract = statistics.median(r["extract_seconds"] for r in timed)
     single = statistics.median(r["single_process_extract_seconds"] for r in timed)
     result = {
-        "shape": args.shape, "world_size": world, "numel": learner.numel, "dense_bytes": learner.dense_bytes,
+        "shape": args.shape,
+        "world_size": world,
+        "numel": learner.numel,
+        "dense_bytes": learner.dense_bytes,
         "card": args.card or (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"),
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "model_dir")},
         "load_seconds": load_seconds,
         "median": {
             "train_seconds": statistics.median(r["train_seconds"] for r in timed),
             "tokens_per_second": statistics.median(r["tokens_per_second"] for r in timed),
-            "extract_seconds": extract, "extract_seconds_per_gb": extract / gb,
-            "single_process_extract_seconds": single, "single_process_extract_seconds_per_gb": single / gb,
+            "extract_seconds": extract,
+            "extract_seconds_per_gb": extract / gb,
+            "single_process_extract_seconds": single,
+            "single_process_extract_seconds_per_gb": single / gb,
             "rollout_seconds": statistics.median(r["rollout_seconds"] for r in timed),
         },
         "peak_gib_per_gpu": peaks,
         "peak_gib_note": "rank 0 also holds the engine (bf16 weights + KV) and two full bf16 copies for the "
-                         "single-process comparison",
+        "single-process comparison",
         "all_patches_identical": all(r["patch_identical_to_single_process"] for r in rows),
         "all_fingerprints_equal": all(r["worker_fingerprint_equal"] for r in rows),
         "steps": rows,

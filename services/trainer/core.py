@@ -133,8 +133,8 @@ class Trainer:
         latest = await self._registry(self.registry.latest)
         if latest is None:
             await self._publish_model_files()
-            data = await asyncio.to_thread(lambda: save_snapshot(self._cpu(self.learner.full_published()),
-                                                                 run=self.settings.run, version=self.version))
+            full = self._cpu(await asyncio.to_thread(self.learner.full_published))
+            data = await asyncio.to_thread(save_snapshot, full, run=self.settings.run, version=self.version)
             await self._registry(lambda: self.registry.publish_snapshot(self.version, data))
             log.info("published snapshot v%d (%s) to a new run %r", self.version, fp, self.settings.run)
         elif latest.version == self.version and latest.fingerprint == fp:

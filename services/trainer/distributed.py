@@ -145,8 +145,9 @@ class DistributedLearner(Learner):
     def load(self, directory: Path) -> None:
         self._run("load", Path(directory))
 
-    def evaluate(self, tokenizer: PreTrainedTokenizerBase, task: Task, prompts: list[tuple[str, str]],
-                 seed: int) -> dict[str, float]:
+    def evaluate(
+        self, tokenizer: PreTrainedTokenizerBase, task: Task, prompts: list[tuple[str, str]], seed: int
+    ) -> dict[str, float]:
         # Every rank generates the same sequences (same prompts, seed and weights), so FSDP's
         # collectives match step for step.
         return self._run("evaluate", tokenizer, task, prompts, seed)
@@ -166,12 +167,14 @@ class DistributedLearner(Learner):
     def loss_scale(self) -> float:  # type: ignore[override]
         return float(self.world_size)  # FSDP divides the summed gradients by the world size
 
-    def _prepare(self, model: torch.nn.Module,
-                 frozen: torch.nn.Module | None) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    def _prepare(
+        self, model: torch.nn.Module, frozen: torch.nn.Module | None
+    ) -> tuple[torch.nn.Module, torch.nn.Module | None]:
         mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         policy = mixed if self.settings.bf16_autocast else MixedPrecisionPolicy()
-        return _shard(model.to(self.device), policy), None if frozen is None else _shard(frozen.to(self.device),
-                                                                                          MixedPrecisionPolicy())
+        return _shard(model.to(self.device), policy), None if frozen is None else _shard(
+            frozen.to(self.device), MixedPrecisionPolicy()
+        )
 
     def _micro_batches(self, minibatch: torch.Tensor) -> list[torch.Tensor]:
         share = minibatch.tensor_split(self.world_size)
@@ -181,8 +184,9 @@ class DistributedLearner(Learner):
 
     def _idle_pass(self, batch: TrainBatch) -> None:
         with self._autocast():
-            logits = self.model(input_ids=batch.input_ids[:1], attention_mask=batch.attention_mask[:1],
-                                use_cache=False).logits
+            logits = self.model(
+                input_ids=batch.input_ids[:1], attention_mask=batch.attention_mask[:1], use_cache=False
+            ).logits
         (logits.float().sum() * 0.0).backward()
 
     def _sum(self, value: torch.Tensor) -> torch.Tensor:
@@ -197,11 +201,22 @@ class DistributedLearner(Learner):
         for chunk in self._micro_batches(torch.arange(batch.sequences, device=self.device)):
             if not chunk.numel():
                 with self._autocast():
-                    model(input_ids=batch.input_ids[:1], attention_mask=batch.attention_mask[:1], use_cache=False)
+                    model(
+                        input_ids=batch.input_ids[:1],
+                        attention_mask=batch.attention_mask[:1],
+                        use_cache=False,
+                    )
                 continue
             with self._autocast():
-                parts.append(token_logprobs(model, batch.input_ids[chunk], batch.attention_mask[chunk],
-                                            batch.completion_mask[chunk], self.settings.temperature))
+                parts.append(
+                    token_logprobs(
+                        model,
+                        batch.input_ids[chunk],
+                        batch.attention_mask[chunk],
+                        batch.completion_mask[chunk],
+                        self.settings.temperature,
+                    )
+                )
         width = batch.input_ids.shape[1]
         local = torch.zeros(share[0].numel(), width, dtype=torch.float32, device=self.device)
         if parts:
@@ -221,11 +236,15 @@ class DistributedLearner(Learner):
             tensor = params.get(name)
             if tensor is None:  # a persistent buffer: replicated; rank 0 reports it whole
                 buffer = self.model.get_buffer(name)
-                out.append((name, buffer if self.rank == 0 else buffer.reshape(-1)[:0], 0, tuple(buffer.shape)))
+                out.append(
+                    (name, buffer if self.rank == 0 else buffer.reshape(-1)[:0], 0, tuple(buffer.shape))
+                )
                 continue
             assert isinstance(tensor, DTensor)
             shape = tuple(tensor.shape)
-            _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+            _, offset = compute_local_shape_and_global_offset(
+                tensor.shape, tensor.device_mesh, tensor.placements
+            )
             start = offset[0] * math.prod(shape[1:]) if shape else 0
             out.append((name, tensor.to_local(), start, shape))
         return out
@@ -244,7 +263,9 @@ class DistributedLearner(Learner):
         self.published = {name: local.detach().to(torch.bfloat16, copy=True) for name, local, _, _ in slices}
         sums = [slice_sums(name, self.published[name], start) for name, _, start, _ in slices]
         gathered = self._gather(sums)
-        self.published_fingerprint = fingerprint_from_slices(self._meta, _flat(gathered)) if self.rank == 0 else ""
+        self.published_fingerprint = (
+            fingerprint_from_slices(self._meta, _flat(gathered)) if self.rank == 0 else ""
+        )
         self._layouts = self._gather(self._offsets)  # rank 0: each rank's (start, numel) per name
 
     def _gather(self, obj: Any) -> list[Any]:
@@ -268,8 +289,12 @@ class DistributedLearner(Learner):
         if self.rank != 0:
             return None
         base_fp = self.published_fingerprint
-        target_fp = self.published_fingerprint = fingerprint_from_slices(self._meta, _flat(g[1] for g in gathered))
-        make_patch = functools.partial(_assemble, self._meta, _flat(g[0] for g in gathered), base_fp, target_fp)
+        target_fp = self.published_fingerprint = fingerprint_from_slices(
+            self._meta, _flat(g[1] for g in gathered)
+        )
+        make_patch = functools.partial(
+            _assemble, self._meta, _flat(g[0] for g in gathered), base_fp, target_fp
+        )
         return Captured(make_patch, target_fp, state)
 
     def _full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -298,8 +323,13 @@ class DistributedLearner(Learner):
         pieces = None
         if self.rank == 0:
             assert state is not None
-            pieces = [{name: state[name].reshape(-1)[start : start + count].clone()
-                       for name, (start, count) in layout.items()} for layout in self._layouts]
+            pieces = [
+                {
+                    name: state[name].reshape(-1)[start : start + count].clone()
+                    for name, (start, count) in layout.items()
+                }
+                for layout in self._layouts
+            ]
         dist.scatter_object_list(mine, pieces, src=0, group=self.control)
         with torch.no_grad():
             for name, local, _, _ in self._slices():
@@ -310,8 +340,9 @@ class DistributedLearner(Learner):
         directory.mkdir(parents=True, exist_ok=True)  # one file per rank in it (shared storage across nodes)
         Learner.save(self, directory)
 
-    def _evaluate(self, tokenizer: PreTrainedTokenizerBase, task: Task, prompts: list[tuple[str, str]],
-                  seed: int) -> dict[str, float]:
+    def _evaluate(
+        self, tokenizer: PreTrainedTokenizerBase, task: Task, prompts: list[tuple[str, str]], seed: int
+    ) -> dict[str, float]:
         return Learner.evaluate(self, tokenizer, task, prompts, seed)
 
 
@@ -326,10 +357,24 @@ def _flat(lists: Any) -> list[Any]:
     return [item for items in lists for item in items]
 
 
-def _assemble(meta: dict[str, tuple[torch.dtype, tuple[int, ...]]], changes: list[SliceChanges], base_fp: str,
-              target_fp: str, run: str, base_version: int, target_version: int) -> bytes:
-    return assemble_patch(meta, changes, run=run, base_version=base_version, target_version=target_version,
-                          base_fingerprint=base_fp, target_fingerprint=target_fp)
+def _assemble(
+    meta: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+    changes: list[SliceChanges],
+    base_fp: str,
+    target_fp: str,
+    run: str,
+    base_version: int,
+    target_version: int,
+) -> bytes:
+    return assemble_patch(
+        meta,
+        changes,
+        run=run,
+        base_version=base_version,
+        target_version=target_version,
+        base_fingerprint=base_fp,
+        target_fingerprint=target_fp,
+    )
 
 
 _COMMANDS: dict[str, Any] = {
@@ -373,4 +418,3 @@ def follow_until_stopped(learner: DistributedLearner) -> None:
         learner.follow()
     finally:
         dist.destroy_process_group()
-

@@ -94,7 +94,8 @@ class Learner:
             frozen = AutoModelForCausalLM.from_pretrained(model_dir).eval()
             frozen.requires_grad_(False)
         self.model, self.ref_model = self._prepare(model, frozen)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr,
+                                           weight_decay=settings.weight_decay,
                                            betas=(settings.beta1, settings.beta2))
         self.step = 0
         # Minibatch order: its own generator, so sampling elsewhere does not change which sequences
@@ -136,7 +137,8 @@ class Learner:
             micro = self._micro_batches(minibatch)
             mine = torch.cat(micro) if micro else minibatch[:0]
             # Each process knows its own rows' counts; all of them divide by the minibatch's total.
-            normalizer = self._sum(corrections.rows(mine).normalizer(s.loss.aggregation).double()).to(self.device)
+            count = corrections.rows(mine).normalizer(s.loss.aggregation).double()
+            normalizer = self._sum(count).to(self.device)
             for rows in micro:
                 if not rows.numel():
                     self._idle_pass(batch)
@@ -299,15 +301,16 @@ class Learner:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             dcp.load(state, checkpoint_id=directory)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
         counters = torch.load(directory / "learner.pt", weights_only=False)
         self.step = counters["step"]
         self.shuffle.set_state(counters["shuffle"])
         self._init_published()
 
 
-def _extract(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], base_fp: str, target_fp: str, run: str,
-             base_version: int, target_version: int) -> bytes:
+def _extract(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], base_fp: str, target_fp: str,
+             run: str, base_version: int, target_version: int) -> bytes:
     return extract_patch(old, new, run=run, base_version=base_version, target_version=target_version,
                          base_fingerprint=base_fp, target_fingerprint=target_fp)
 

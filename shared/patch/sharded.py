@@ -71,8 +71,15 @@ def slice_changes(name: str, prev: torch.Tensor, cur: torch.Tensor, offset: int)
     count = local.numel()
     first, last = (int(v) + offset for v in torch.stack([local[0], local[-1]]).tolist())
     gaps = varint_encode(torch.diff(local) - 1)
-    return SliceChanges(name, count, first, last, gaps.cpu(), planes_encode(new_u, width).view(width, count).cpu(),
-                        planes_encode(zigzag(delta), width).view(width, count).cpu())
+    return SliceChanges(
+        name,
+        count,
+        first,
+        last,
+        gaps.cpu(),
+        planes_encode(new_u, width).view(width, count).cpu(),
+        planes_encode(zigzag(delta), width).view(width, count).cpu(),
+    )
 
 
 def slice_sums(name: str, t: torch.Tensor, offset: int) -> SliceSums:
@@ -107,16 +114,21 @@ def combine_sums(parts: Iterable[SliceSums]) -> int:
     return total & (2**64 - 1)
 
 
-def fingerprint_from_slices(meta: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
-                            parts: Iterable[SliceSums]) -> str:
+def fingerprint_from_slices(
+    meta: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], parts: Iterable[SliceSums]
+) -> str:
     """fingerprint() of the full tensors (`meta`: name -> dtype, shape) from all slices' sums."""
     by_name: dict[str, list[SliceSums]] = {name: [] for name in meta}
     for part in parts:
         by_name[part.name].append(part)
-    return fingerprint_from_sums({n: (dtype, shape, combine_sums(by_name[n])) for n, (dtype, shape) in meta.items()})
+    return fingerprint_from_sums(
+        {n: (dtype, shape, combine_sums(by_name[n])) for n, (dtype, shape) in meta.items()}
+    )
 
 
-def join_changes(name: str, shape: tuple[int, ...], dtype: torch.dtype, slices: Sequence[SliceChanges]) -> RawChange:
+def join_changes(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, slices: Sequence[SliceChanges]
+) -> RawChange:
     """One tensor's RawChange (as codec.diff_states makes it) from its slices' changes."""
     parts = sorted((s for s in slices if s.count), key=lambda s: s.first)
     index: list[torch.Tensor] = []
@@ -129,13 +141,26 @@ def join_changes(name: str, shape: tuple[int, ...], dtype: torch.dtype, slices: 
     def planes(which: str) -> torch.Tensor:
         return torch.cat([torch.cat([getattr(p, which)[k] for p in parts]) for k in range(width)])
 
-    return RawChange(name, tuple(shape), dtype_name(dtype), sum(p.count for p in parts), torch.cat(index),
-                     planes("values"), planes("deltas"))
+    return RawChange(
+        name,
+        tuple(shape),
+        dtype_name(dtype),
+        sum(p.count for p in parts),
+        torch.cat(index),
+        planes("values"),
+        planes("deltas"),
+    )
 
 
 def assemble_patch(
-    meta: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], changes: Iterable[SliceChanges], *, run: str,
-    base_version: int, target_version: int, base_fingerprint: str, target_fingerprint: str,
+    meta: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    changes: Iterable[SliceChanges],
+    *,
+    run: str,
+    base_version: int,
+    target_version: int,
+    base_fingerprint: str,
+    target_fingerprint: str,
     chunk_bytes: int = 4 << 20,
 ) -> bytes:
     """The container extract_patch(..., encoding="auto") makes for the same full tensors, from
@@ -146,8 +171,15 @@ def assemble_patch(
             by_name.setdefault(change.name, []).append(change)
     raws = [join_changes(name, meta[name][1], meta[name][0], by_name[name]) for name in sorted(by_name)]
     return build_patch(
-        entropy_code(raws), run=run, base_version=base_version, base_fingerprint=base_fingerprint,
-        target_version=target_version, target_fingerprint=target_fingerprint, chunk_bytes=chunk_bytes,
-        dense_bytes=sum(prod(shape) * torch.empty(0, dtype=dtype).element_size() for dtype, shape in meta.values()),
+        entropy_code(raws),
+        run=run,
+        base_version=base_version,
+        base_fingerprint=base_fingerprint,
+        target_version=target_version,
+        target_fingerprint=target_fingerprint,
+        chunk_bytes=chunk_bytes,
+        dense_bytes=sum(
+            prod(shape) * torch.empty(0, dtype=dtype).element_size() for dtype, shape in meta.values()
+        ),
         numel=sum(prod(shape) for _, shape in meta.values()),
     )

@@ -35,9 +35,17 @@ WORLD = 2
 def settings(data_dir: Path) -> TrainerSettings:
     # fp32 compute (no autocast, no bf16 params) so the two paths can agree to float rounding;
     # micro-batches of 2 over 6 sequences per minibatch: ranks take 3 each, in 2 micro-batches.
-    return TrainerSettings(model="unused", data_dir=str(data_dir), device="cpu", lr=1e-3, micro_batch=2,
-                           ppo_updates=2, bf16_autocast=False, loss={"kl_coef": 0.1},
-                           activation_checkpointing=True)
+    return TrainerSettings(
+        model="unused",
+        data_dir=str(data_dir),
+        device="cpu",
+        lr=1e-3,
+        micro_batch=2,
+        ppo_updates=2,
+        bf16_autocast=False,
+        loss={"kl_coef": 0.1},
+        activation_checkpointing=True,
+    )
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -55,8 +63,13 @@ def _metrics(m: dict[str, Any]) -> dict[str, float]:
 
 
 def _worker(rank: int, out: str, model_dir: str, port: int) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     from services.trainer.distributed import DistributedLearner, follow_until_stopped, init_process_groups
 
@@ -74,8 +87,10 @@ def _worker(rank: int, out: str, model_dir: str, port: int) -> None:
     task = get_task("addition")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = task.make_prompts(4, seed=7)
-    result["evaluate"] = [learner.evaluate(tokenizer, task, prompts, seed=3),
-                          single.evaluate(tokenizer, task, prompts, seed=3)]
+    result["evaluate"] = [
+        learner.evaluate(tokenizer, task, prompts, seed=3),
+        single.evaluate(tokenizer, task, prompts, seed=3),
+    ]
 
     dist_m, single_m = learner.train_step(batch1, version=0), single.train_step(batch1, version=0)
     result["metrics"] = [_metrics(dist_m), _metrics(single_m)]
@@ -108,8 +123,11 @@ def resume_at_world_one(out_dir: Path, model_dir: Path) -> dict[str, Any]:
     learner = Learner(settings(out_dir), model_dir, pad_id=0)
     learner.load(out_dir / "ckpt")
     at_save = torch.load(out_dir / "master_at_save.pt")
-    result = {"fingerprint": learner.published_fingerprint, "step": learner.step,
-              "master_diff_at_load": max_diff(master(learner), at_save)}
+    result = {
+        "fingerprint": learner.published_fingerprint,
+        "step": learner.step,
+        "master_diff_at_load": max_diff(master(learner), at_save),
+    }
     learner.train_step(_trajectories(vocab=90, groups=3, samples=3, seed=2), version=1)
     result["master_diff_step2"] = max_diff(master(learner), torch.load(out_dir / "master_step2.pt"))
     return result

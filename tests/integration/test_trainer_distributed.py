@@ -20,8 +20,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("distributed")
     model_dir = build_tiny_model_dir(out / "model")
-    subprocess.run([sys.executable, "-m", "tests.integration.distributed_run", str(out), model_dir], cwd=ROOT,
-                   check=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "tests.integration.distributed_run", str(out), model_dir],
+        cwd=ROOT,
+        check=True,
+        timeout=300,
+    )
     return json.loads((out / "result.json").read_text())
 
 

@@ -44,13 +44,28 @@ async def answer_prompts(redis_url: str, prefix: str, run: str, vocab: int, unti
                 samples = []
                 for _ in range(lease.group.samples):
                     completion = [rng.randrange(4, vocab) for _ in range(rng.randrange(2, 8))]
-                    samples.append(Sample(completion="x", prompt_ids=[1, 5, 6, 7], completion_ids=completion,
-                                          logprobs=[-rng.uniform(1, 5) for _ in completion], reward=rng.random(),
-                                          correct=False, finish_reason="stop",
-                                          kv=KVStats(peak_tokens=6, peak_bytes=100, evicted=0)))
-                trajectory = Trajectory(group_id=lease.group_id, attempt=lease.attempt, policy_version=version,
-                                        worker_id="w", task=lease.group.task, prompt=lease.group.prompt,
-                                        samples=samples, sampling=SamplingInfo(temperature=1.0, top_p=1.0, top_k=0))
+                    samples.append(
+                        Sample(
+                            completion="x",
+                            prompt_ids=[1, 5, 6, 7],
+                            completion_ids=completion,
+                            logprobs=[-rng.uniform(1, 5) for _ in completion],
+                            reward=rng.random(),
+                            correct=False,
+                            finish_reason="stop",
+                            kv=KVStats(peak_tokens=6, peak_bytes=100, evicted=0),
+                        )
+                    )
+                trajectory = Trajectory(
+                    group_id=lease.group_id,
+                    attempt=lease.attempt,
+                    policy_version=version,
+                    worker_id="w",
+                    task=lease.group.task,
+                    prompt=lease.group.prompt,
+                    samples=samples,
+                    sampling=SamplingInfo(temperature=1.0, top_p=1.0, top_k=0),
+                )
                 done += await coord.complete(lease, trajectory)
             if version >= STEPS:
                 break
@@ -85,31 +100,62 @@ def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180
     raise AssertionError("trainer not ready: " + log.read_text()[-3000:])
 
 
-def test_trainer_service_under_torchrun(tmp_path: Path, tiny_model_dir: str, redis_url: str,
-                                        redis_prefix: str) -> None:
+def test_trainer_service_under_torchrun(
+    tmp_path: Path, tiny_model_dir: str, redis_url: str, redis_prefix: str
+) -> None:
     reg = RegistrySettings(store_url=f"file://{tmp_path / 'store'}", api_token=TOKEN)
     with serve_app(create_registry(reg)) as registry_url:
         port = free_port()
         env = os.environ | {
-            "SPARSECAST_MODEL": tiny_model_dir, "SPARSECAST_DEVICE": "cpu", "SPARSECAST_PORT": str(port),
-            "SPARSECAST_DATA_DIR": str(tmp_path / "trainer"), "SPARSECAST_RUN": "tr", "SPARSECAST_API_TOKEN": TOKEN,
-            "SPARSECAST_REGISTRY_URL": registry_url, "SPARSECAST_REDIS_URL": redis_url,
-            "SPARSECAST_REDIS_PREFIX": redis_prefix, "SPARSECAST_GROUPS_PER_STEP": "2", "SPARSECAST_LR": "1e-3",
-            "SPARSECAST_MICRO_BATCH": "2", "SPARSECAST_MAX_STEPS": str(STEPS), "SPARSECAST_CHECKPOINT_EVERY": "2",
-            "SPARSECAST_COLLECT_TIMEOUT_S": "5", "OMP_NUM_THREADS": "1",
+            "SPARSECAST_MODEL": tiny_model_dir,
+            "SPARSECAST_DEVICE": "cpu",
+            "SPARSECAST_PORT": str(port),
+            "SPARSECAST_DATA_DIR": str(tmp_path / "trainer"),
+            "SPARSECAST_RUN": "tr",
+            "SPARSECAST_API_TOKEN": TOKEN,
+            "SPARSECAST_REGISTRY_URL": registry_url,
+            "SPARSECAST_REDIS_URL": redis_url,
+            "SPARSECAST_REDIS_PREFIX": redis_prefix,
+            "SPARSECAST_GROUPS_PER_STEP": "2",
+            "SPARSECAST_LR": "1e-3",
+            "SPARSECAST_MICRO_BATCH": "2",
+            "SPARSECAST_MAX_STEPS": str(STEPS),
+            "SPARSECAST_CHECKPOINT_EVERY": "2",
+            "SPARSECAST_COLLECT_TIMEOUT_S": "5",
+            "OMP_NUM_THREADS": "1",
         }
         log = (tmp_path / "torchrun.log").open("w")
-        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                                 "--master_port", str(free_port()), "-m", "services.trainer"],
-                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                "2",
+                "--master_port",
+                str(free_port()),
+                "-m",
+                "services.trainer",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             url = f"http://127.0.0.1:{port}"
             wait_ready(url, proc, tmp_path / "torchrun.log")
-            r = httpx.post(f"{url}/v1/prompts", json={"generate": {"count": 2 * STEPS, "seed": 1},
-                                                      "samples_per_prompt": 4}, headers=AUTH)
+            r = httpx.post(
+                f"{url}/v1/prompts",
+                json={"generate": {"count": 2 * STEPS, "seed": 1}, "samples_per_prompt": 4},
+                headers=AUTH,
+            )
             assert r.status_code == 200, r.text
             vocab = int(httpx.get(f"{registry_url}/v1/runs/tr/model/config.json").json()["vocab_size"])
-            answered = asyncio.run(answer_prompts(redis_url, redis_prefix, "tr", vocab, time.monotonic() + 150))
+            answered = asyncio.run(
+                answer_prompts(redis_url, redis_prefix, "tr", vocab, time.monotonic() + 150)
+            )
             assert answered == 2 * STEPS
             deadline = time.monotonic() + 60
             while httpx.get(f"{url}/v1/status").json()["version"] < STEPS:

@@ -335,8 +335,9 @@ def test_chart_distributed_trainer_template() -> None:
     text = (CHART / "templates" / "trainer-distributed.yaml").read_text()
     assert text.count("{{- if .Values.trainer.distributed.enabled }}") == 1
     for needle in ("kind: StatefulSet", "clusterIP: None", "publishNotReadyAddresses: true",
-                   'command: ["torchrun"]', "--nnodes={{ $d.nnodes }}", "--nproc_per_node={{ $d.nprocPerNode }}",
-                   "--node_rank=$(NODE_RANK)", "apps.kubernetes.io/pod-index", '"nvidia.com/gpu" $d.nprocPerNode',
+                   'command: ["torchrun"]', "--nnodes={{ $d.nnodes }}",
+                   "--nproc_per_node={{ $d.nprocPerNode }}", "--node_rank=$(NODE_RANK)",
+                   "apps.kubernetes.io/pod-index", '"nvidia.com/gpu" $d.nprocPerNode',
                    "- services.trainer", "$d.dataClaim", "podManagementPolicy: Parallel"):
         assert needle in text, needle
     trainer = (CHART / "templates" / "trainer.yaml").read_text()
@@ -347,7 +348,8 @@ def test_chart_distributed_trainer_template() -> None:
 
 def test_helm_template_distributed_trainer() -> None:
     rendered = helm("template", "demo", str(CHART), "--namespace", "sparsecast",
-                    "--set", "trainer.distributed.enabled=true", "--set", "trainer.distributed.dataClaim=shared",
+                    "--set", "trainer.distributed.enabled=true",
+                    "--set", "trainer.distributed.dataClaim=shared",
                     "--set", "trainer.distributed.nnodes=3", "--set", "trainer.distributed.nprocPerNode=4")
     assert rendered.returncode == 0, rendered.stderr
     docs = [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
@@ -359,7 +361,9 @@ def test_helm_template_distributed_trainer() -> None:
     assert sts["spec"]["replicas"] == 3
     [container] = sts["spec"]["template"]["spec"]["containers"]
     assert container["command"] == ["torchrun"] and container["args"][-2:] == ["-m", "services.trainer"]
-    assert "--nproc_per_node=4" in container["args"] and int(container["resources"]["limits"]["nvidia.com/gpu"]) == 4
+    assert "--nproc_per_node=4" in container["args"]
+    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == 4
     services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
     assert services[sts["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
-    assert services["demo-sparsecast-trainer"]["spec"]["selector"]["statefulset.kubernetes.io/pod-name"].endswith("-0")
+    selector = services["demo-sparsecast-trainer"]["spec"]["selector"]
+    assert selector["statefulset.kubernetes.io/pod-name"].endswith("-0")

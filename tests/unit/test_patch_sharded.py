@@ -22,8 +22,14 @@ from shared.patch.sharded import (
 
 def _model(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    shapes = {"embed.weight": (37, 24), "layers.0.q.weight": (24, 24), "layers.0.norm.weight": (24,),
-              "odd.weight": (7, 3), "long.weight": (2100, 3), "one.weight": (1,)}
+    shapes = {
+        "embed.weight": (37, 24),
+        "layers.0.q.weight": (24, 24),
+        "layers.0.norm.weight": (24,),
+        "odd.weight": (7, 3),
+        "long.weight": (2100, 3),
+        "one.weight": (1,),
+    }
     out = {name: torch.randn(shape, generator=g).to(torch.bfloat16) for name, shape in shapes.items()}
     out["master.weight"] = torch.randn(5, 11, generator=g)  # fp32: 4-byte elements
     return out
@@ -33,7 +39,9 @@ def _step(state: dict[str, torch.Tensor], seed: int, fraction: float = 0.1) -> d
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, t in state.items():
-        moved = t.float() + 0.05 * torch.randn(t.shape, generator=g) * (torch.rand(t.shape, generator=g) < fraction)
+        moved = t.float() + 0.05 * torch.randn(t.shape, generator=g) * (
+            torch.rand(t.shape, generator=g) < fraction
+        )
         out[name] = moved.to(t.dtype)
     out["one.weight"] = state["one.weight"].clone()  # one tensor unchanged
     return out
@@ -47,8 +55,9 @@ def _bounds(numel: int, parts: int, seed: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:], strict=True))
 
 
-def _sharded(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], parts: int,
-             seed: int) -> tuple[list[SliceChanges], list[SliceSums], list[SliceSums]]:
+def _sharded(
+    old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], parts: int, seed: int
+) -> tuple[list[SliceChanges], list[SliceSums], list[SliceSums]]:
     changes, old_sums, new_sums = [], [], []
     for i, name in enumerate(sorted(new)):
         flat_old, flat_new = old[name].reshape(-1), new[name].reshape(-1)
@@ -72,8 +81,16 @@ def test_patch_from_uneven_slices_is_byte_identical(parts: int, seed: int) -> No
     base_fp, target_fp = fingerprint_from_slices(meta, old_sums), fingerprint_from_slices(meta, new_sums)
     assert (base_fp, target_fp) == (fingerprint(old), fingerprint(new))
     full = extract_patch(old, new, run="r", base_version=3, target_version=4, chunk_bytes=512)
-    joined = assemble_patch(meta, reversed(changes), run="r", base_version=3, target_version=4,
-                            base_fingerprint=base_fp, target_fingerprint=target_fp, chunk_bytes=512)
+    joined = assemble_patch(
+        meta,
+        reversed(changes),
+        run="r",
+        base_version=3,
+        target_version=4,
+        base_fingerprint=base_fp,
+        target_fingerprint=target_fp,
+        chunk_bytes=512,
+    )
     assert joined == full
     replica = {k: v.clone() for k, v in old.items()}
     apply_patch(replica, joined)
@@ -86,8 +103,15 @@ def test_no_change_and_empty_slices() -> None:
     assert all(c.count == 0 for c in changes)
     fp = fingerprint(old)
     assert fingerprint_from_slices(_meta(old), sums) == fp
-    patch = assemble_patch(_meta(old), changes, run="r", base_version=0, target_version=1,
-                           base_fingerprint=fp, target_fingerprint=fp)
+    patch = assemble_patch(
+        _meta(old),
+        changes,
+        run="r",
+        base_version=0,
+        target_version=1,
+        base_fingerprint=fp,
+        target_fingerprint=fp,
+    )
     assert patch == extract_patch(old, old, run="r", base_version=0, target_version=1)
     empty = slice_sums("x", torch.empty(0, dtype=torch.bfloat16), 5)
     assert (empty.interior, empty.edges) == (0, [])
@@ -103,9 +127,15 @@ def test_special_values_are_bit_exact() -> None:
     new["w"][0], new["w"][2], new["w"][5] = -0.0, -math.inf, math.nan
     changes, old_sums, new_sums = _sharded(old, new, 3, 9)
     meta = _meta(new)
-    patch = assemble_patch(meta, changes, run="r", base_version=0, target_version=1,
-                           base_fingerprint=fingerprint_from_slices(meta, old_sums),
-                           target_fingerprint=fingerprint_from_slices(meta, new_sums))
+    patch = assemble_patch(
+        meta,
+        changes,
+        run="r",
+        base_version=0,
+        target_version=1,
+        base_fingerprint=fingerprint_from_slices(meta, old_sums),
+        target_fingerprint=fingerprint_from_slices(meta, new_sums),
+    )
     assert patch == extract_patch(old, new, run="r", base_version=0, target_version=1)
     replica = {"w": old["w"].clone()}
     apply_patch(replica, patch)
