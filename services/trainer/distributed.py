@@ -116,7 +116,10 @@ class DistributedLearner(Learner):
             _COMMANDS[name](self, *args)
 
     def close(self) -> None:
-        self.stop_followers()
+        try:
+            self.stop_followers()
+        except Exception as exc:  # a stop signal reaches every rank at once: followers may be gone
+            log.warning("could not tell the other ranks to stop: %s", exc)
 
     def stop_followers(self) -> None:
         if self.rank == 0:
