@@ -9,7 +9,7 @@ DEMO_STAMP := $(VENV)/.installed-demo
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow test-fast lint demo bench bench-patch bench-registry bench-queue bench-engine bench-learning clean
+.PHONY: setup test test-slow test-fast lint demo bench bench-patch bench-registry bench-queue bench-engine bench-learning bench-wan clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,7 @@ $(DEMO_STAMP): pyproject.toml
 VLLM_TESTS := tests/integration/test_vllm_engine.py
 test: setup
 	$(PY) -m ruff check shared services tests bench
+	$(PY) -m mypy
 	$(PY) -m pytest -q -m "not vllm and not slow" $(PYTEST_ARGS)
 	$(PY) -m pytest -q -m vllm $(VLLM_TESTS) $(PYTEST_ARGS)
 
@@ -49,6 +50,7 @@ test-fast: setup
 
 lint: setup
 	$(PY) -m ruff check shared services tests bench
+	$(PY) -m mypy
 
 demo: $(DEMO_STAMP)
 	$(PY) -m services.cli demo $(DEMO_ARGS)
@@ -70,6 +72,10 @@ bench-queue: setup
 
 bench-engine: setup
 	$(PY) -m bench.engine $(BENCH_ARGS)
+
+# Root only (network namespaces and htb); ~45 min on 2 cores, then `BENCH_ARGS=--relay` (~5 min).
+bench-wan: setup
+	$(PY) -m bench.wan $(BENCH_ARGS)
 
 clean:
 	rm -rf data scratch .pytest_cache .ruff_cache .hypothesis

@@ -41,10 +41,12 @@ from transformers import Qwen3ForCausalLM
 from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
 from services.rollout.engine.kv_cache import cache_capacity
 from services.rollout.models.decoder import DecoderLM
+from shared.dtypes import by_short_name, dtype_name
+from shared.kv import SPARSE_POLICIES
 from shared.modeling import qwen3_config
 
-POLICIES = ("streaming", "snapkv", "h2o", "rkv")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+POLICIES = SPARSE_POLICIES
+DTYPES = by_short_name()
 
 
 def _sync(device: torch.device) -> None:
@@ -152,7 +154,7 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
         "benchmark": "engine", "complete": False,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "threads": torch.get_num_threads() if device.type == "cpu" else None,
-        "shape": args.shape, "dtype": str(dtype).removeprefix("torch."), "prompt_tokens": args.prompt,
+        "shape": args.shape, "dtype": dtype_name(dtype), "prompt_tokens": args.prompt,
         "generated_tokens": gen, "batch": batch, "buffer": buffer, "fractions": fractions,
         "reuse_dense": args.reuse_dense, "kv_bytes_per_token": engine.kv_bytes_per_token(),
         "ops_per_decode_step": {}, "policies": rows, "fixed_kv_memory": fixed, "transformers_generate": None,

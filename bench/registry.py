@@ -13,7 +13,7 @@ Measured:
 - tc: the same caps enforced by the kernel on the registry's port (htb on lo, REFERENCE §8; only
   as root with a working `tc`; the qdisc is always deleted);
 - merge: merged a→b plan bytes vs chain bytes for lags 2, 4, 8;
-- sync: sync_to (download + apply + verify) for a lagging worker and for a fresh one.
+- sync: sync_weights (download + apply + verify) for a lagging worker and for a fresh one.
 Targets: capped runs (client token bucket) within 10% of payload ÷ bandwidth, kernel-shaped rows
 reported beside them; merged plans smaller than chains.
 JSON: bench/results/registry-<device>.json.
@@ -41,7 +41,9 @@ import httpx
 import torch
 
 from shared.patch import apply_patch, extract_patch, load_snapshot, save_snapshot
-from shared.registry_client import ObjectRef, RegistryClient
+from shared.registry.client import RegistryClient
+from shared.registry.sync import sync_weights
+from shared.registry.wire import ObjectRef
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-token"
@@ -207,7 +209,7 @@ async def measure(args: argparse.Namespace, url: str, port: int, run: str, snaps
             apply_patch(state, patch)
         for label, current, target_state in (("lagging", start, state), ("fresh", None, {})):
             async with RegistryClient(url, run, streams=4) as worker:
-                sync = await worker.sync_to(target_state, current)
+                sync = await sync_weights(worker, target_state, current)
             result["sync"][label] = {"from": current, "to": sync.version, "path": sync.path, "bytes": sync.bytes,
                                      "seconds": round(sync.seconds, 4), "MB_per_s": round(sync.bytes / sync.seconds / 1e6, 2)}
             print(label, json.dumps(result["sync"][label]), flush=True)

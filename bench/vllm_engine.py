@@ -31,9 +31,10 @@ from typing import Any
 import torch
 
 from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
+from shared.dtypes import by_short_name
 from shared.modeling import qwen3_config
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = by_short_name()
 RESULTS = Path(__file__).parent / "results"
 
 

@@ -11,14 +11,15 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
+
+from services.views import human_bytes, registry_version_row, step_summary, versions_table, workers_table
+from shared.kv import KV_POLICIES
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -70,77 +71,8 @@ def trainer(args: argparse.Namespace) -> Service:
 # -- formatting --
 
 
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
-
-
-def pct(x: float | None, digits: int = 1) -> str:
-    return "-" if x is None else f"{100 * x:.{digits}f}%"
-
-
-def num(x: float | None, digits: int = 3) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
-def step_summary(row: dict[str, Any]) -> str:
-    """One line about a training step (a /v1/metrics/history row)."""
-    return (f"step {row.get('step')} → v{row.get('version')}: reward {num(row.get('reward_mean'))}, "
-            f"accuracy {pct(row.get('accuracy'))}, patch {human_bytes(row.get('patch_bytes'))} vs "
-            f"{human_bytes(row.get('dense_bytes'))} dense ({num(row.get('payload_ratio'), 0)}x), "
-            f"changed {pct(row.get('changed_fraction'), 2)}, KV saved {pct(row.get('kv_saved'))}, "
-            f"rejected {pct(row.get('rejection_rate'))}, masked {pct(row.get('token_mask_rate'))}")
-
-
-def workers_table(workers: list[dict[str, Any]], trainer_version: int | None) -> Table:
-    table = Table(title="rollout workers", title_justify="left")
-    for column in ("worker", "engine", "KV policy", "version", "lag", "leases", "tokens/s", "download", "url"):
-        table.add_column(column, justify="right" if column in ("version", "lag", "leases", "tokens/s") else "left")
-    now = time.time()
-    for w in sorted(workers, key=lambda w: w["worker_id"]):
-        policy = w["kv_policy"] + (f"@{w['kv_budget']}" if w.get("kv_budget") else "")
-        lag = "-" if trainer_version is None else str(max(0, trainer_version - w["weight_version"]))
-        seen = now - w.get("updated_at", now)
-        worker = w["worker_id"] + (f" (seen {seen:.0f}s ago)" if seen > 10 else "")
-        table.add_row(worker, w["engine"], policy, f"v{w['weight_version']}", lag, str(w["leases"]),
-                      f"{w['tokens_per_s']:.0f}", f"{w['download_mbps']:.1f} Mbit/s", w.get("url") or "-")
-    return table
-
-
-def versions_table(rows: list[dict[str, Any]], limit: int) -> Table:
-    table = Table(title="published versions", title_justify="left")
-    for column in ("version", "from", "patch", "snapshot", "dense", "smaller", "changed", "reward", "accuracy"):
-        table.add_column(column, justify="right")
-    for row in rows[-limit:] if limit else rows:
-        metrics = row.get("metrics") or {}
-        table.add_row(f"v{row['version']}", "-" if row.get("base_version") is None else f"v{row['base_version']}",
-                      human_bytes(row.get("patch_bytes")), human_bytes(row.get("snapshot_bytes")),
-                      human_bytes(row.get("dense_bytes")),
-                      "-" if row.get("payload_ratio") is None else f"{row['payload_ratio']:.0f}x",
-                      pct(row.get("changed_fraction"), 2), num(metrics.get("reward_mean")),
-                      pct(metrics.get("accuracy")))
-    return table
-
-
-def registry_version_row(manifest: dict[str, Any]) -> dict[str, Any]:
-    """A registry manifest in the shape of the trainer's /v1/versions rows."""
-    patch, snapshot = manifest.get("patch"), manifest.get("snapshot")
-    row = {k: v for k, v in manifest.items() if k not in ("patch", "snapshot")}
-    return row | {
-        "patch_bytes": patch["size"] if patch else None,
-        "snapshot_bytes": snapshot["size"] if snapshot else None,
-        "payload_ratio": manifest["dense_bytes"] / patch["size"] if patch else None,
-        "changed_fraction": (manifest.get("metrics") or {}).get("changed_fraction"),
-    }
 
 
 # -- commands --
@@ -276,7 +208,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from services.demo import DemoOptions, run_demo
+    from services.demo.options import DemoOptions
+    from services.demo.supervisor import run_demo
 
     given = dict(
         steps=args.steps, workers=args.workers, kv_policy=args.kv_policy, kv_budget=args.kv_budget,
@@ -300,7 +233,7 @@ def _positive(text: str) -> int:
 
 
 def demo_defaults() -> Any:
-    from services.demo import DemoOptions  # rich and httpx only: cheap to import for --help
+    from services.demo.options import DemoOptions  # dataclasses only: cheap to import for --help
 
     return DemoOptions()
 
@@ -340,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = demo_defaults()
     demo.add_argument("--steps", type=_positive, help=f"training steps (default {defaults.steps})")
     demo.add_argument("--workers", type=_positive, help=f"rollout workers (default {defaults.workers})")
-    demo.add_argument("--kv-policy", choices=["dense", "streaming", "snapkv", "h2o", "rkv"],
+    demo.add_argument("--kv-policy", choices=KV_POLICIES,
                       help=f"KV-cache policy of the workers (default {defaults.kv_policy})")
     demo.add_argument("--kv-budget", type=_positive,
                       help=f"KV tokens kept per sequence by sparse policies (default {defaults.kv_budget})")

@@ -19,7 +19,7 @@ from typing import TypeVar
 import httpx
 from redis import exceptions as redis_errors
 
-from shared.registry_client import RegistryHTTPError
+from shared.registry.errors import RegistryHTTPError
 
 T = TypeVar("T")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 
 def _encodable(text: str) -> str:
@@ -108,8 +108,13 @@ class WorkerInfo(BaseModel):
     weight_version: int = Field(default=0, ge=0)
     tokens_per_s: float = Field(default=0.0, ge=0.0)  # measured generation throughput; 0 = unknown
     download_mbps: float = Field(default=0.0, ge=0.0)  # measured patch download bandwidth
+    # Share of recent wall time generation waited on weight sync (applying under the engine lock,
+    # or idle while too far behind): the scheduler discounts tokens_per_s by it.
+    sync_stall: float = Field(default=0.0, ge=0.0, le=1.0)
     leases: int = Field(default=0, ge=0)
     url: str | None = None
+    # How it samples (the trainer flags a worker whose sampling it would refuse, shared.agreement).
+    sampling: SamplingInfo | None = None
     updated_at: float = Field(default_factory=time.time)
 
 
@@ -117,7 +122,8 @@ def one_line_error(error: Exception, subject: str = "value") -> str:
     """A validation error (pydantic's, or FastAPI's RequestValidationError: anything with an
     `errors()` list) or any other error as one readable line: `loc: msg; loc: msg`.
     `subject` names a failure with no location (the whole body, entry, ...)."""
-    errors = error.errors() if isinstance(error, ValidationError) or callable(getattr(error, "errors", None)) else None
+    errors_of = getattr(error, "errors", None)
+    errors = errors_of() if callable(errors_of) else None
     if errors:
         return "; ".join(f"{'.'.join(map(str, e.get('loc', ()))) or subject}: {e.get('msg', '')}" for e in errors)
     return str(error).replace("\n", " ")

@@ -67,7 +67,7 @@ def _open_store(url: str, s3: S3Options | None):
         return S3Store(
             parsed.netloc,
             prefix=prefix,
-            config=config,
+            config=config,  # type: ignore[arg-type]  # obstore's S3Config is a TypedDict of these keys
             client_options={"allow_http": s3.allow_http},
         )
     raise ValueError(f"unsupported store URL {url!r}: use file://, s3:// or memory://")

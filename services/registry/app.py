@@ -13,20 +13,14 @@ from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.registry.core import (
-    KEY_PART,
-    OBJECT_FOLDERS,
-    RUN_NAME,
-    BadRange,
-    RedisAnnouncer,
-    Registry,
-    RegistryError,
-    UploadCheck,
-    UploadKind,
-)
+from services.registry.core import KEY_PART, OBJECT_FOLDERS, RUN_NAME, RedisAnnouncer, Registry
+from services.registry.errors import BadRange, RegistryError
+from services.registry.ranges import parse_range
 from services.registry.settings import RegistrySettings
+from services.registry.uploads import UploadCheck, UploadKind
 from shared.http import PROMETHEUS_TEXT, error_responses, install_error_handling
-from shared.registry_client import METRICS_HEADER, MODEL_FILES, Manifest, Plan
+from shared.registry.wire import METRICS_HEADER, MODEL_FILES, Manifest, Plan
+from shared.relay import PeerAnnouncement, PeerList
 from shared.storage import ObjectStorage
 
 log = logging.getLogger(__name__)
@@ -129,18 +123,33 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
     async def plan(
         run: Run, request: Request, from_version: int = Query(-1, alias="from"),
         to_version: int | None = Query(None, alias="to"),
+        peer: str | None = Query(None, description="the asking worker's id: left out of `peers`"),
     ) -> Plan:
         """Cheapest way from `from` to `to`. Reads never write: only a request with the bearer
         token may have a missing merged patch built now; others get what is stored (the next
-        publish builds the merges such plans wanted)."""
-        return await registry.plan(run, from_version, to_version, build_merges=bearer(request))
+        publish builds the merges such plans wanted). `peers` lists workers serving each object."""
+        return await registry.plan(run, from_version, to_version, build_merges=bearer(request), peer=peer)
+
+    @app.put("/v1/runs/{run}/peers/{worker}", dependencies=[Depends(require_token)], responses=writes)
+    async def announce_peer(run: Run, worker: str, body: PeerAnnouncement) -> PeerList:
+        """A worker serves these objects (held or being fetched) at `url`; answers the peers it
+        should fetch each of them from (shared.relay)."""
+        return await registry.announce_peer(run, worker, body)
+
+    @app.delete("/v1/runs/{run}/peers/{worker}", dependencies=[Depends(require_token)], responses=writes)
+    async def leave_peer(run: Run, worker: str) -> dict[str, str]:
+        await registry.leave_peer(run, worker)
+        return {"left": worker}
 
     @app.get("/v1/runs/{run}/objects/{key:path}", responses={
         200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
               "description": "the object, or the requested range (206)"},
         206: {"description": "a range of the object"}, **reads, **error_responses(416)})
     async def get_object(run: Run, key: ObjectKey, request: Request) -> Response:
-        store_key, start, end, size, partial = await registry.object_range(run, key, request.headers.get("range"))
+        store_key, size = await registry.object_size(run, key)
+        span = parse_range(request.headers.get("range"), size)
+        start, end = span if span else (0, size)
+        partial = span is not None
         headers = {"Accept-Ranges": "bytes", "Content-Length": str(end - start)}
         if partial:
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"

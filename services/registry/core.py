@@ -12,39 +12,36 @@ Writes of a run are serialized by one asyncio lock (one registry process writes 
 go first, the manifest last: a crash mid-publish leaves an unreferenced object that the next
 publish of that version overwrites. Head = highest manifest, found by listing on first use, so a
 restart recovers. See docs/registry.md for the publish rules, planning and retention.
+
+The planner (planner.py), merged patches (merge.py) and retention (retention.py) are modules
+of their own over a run's in-memory state (runs.py); uploads are checked as they stream in
+(uploads.py), and HTTP Range headers are parsed by the app (ranges.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import re
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Awaitable
+from typing import Any
 
 import torch
 
+from services.registry.errors import Conflict, Invalid, NotFound
+from services.registry.merge import Merger
 from services.registry.metrics import RegistryMetrics
+from services.registry.peers import PeerDirectory
+from services.registry.planner import cheapest_plan
+from services.registry.retention import retain
+from services.registry.runs import RunState, object_ref, piece_hashes, stored
 from services.registry.settings import RegistrySettings
 from shared.coord.keys import Keys
-from shared.patch import (
-    MAGIC,
-    PatchError,
-    apply_patch,
-    header_size,
-    load_snapshot,
-    merge_patches,
-    read_header,
-    save_snapshot,
-    snapshot_header_size,
-    snapshot_size,
-    verify_chunks,
-)
-from shared.registry_client import MODEL_FILES, Manifest, ObjectRef, Plan, PlanStep
+from shared.patch import apply_patch, load_snapshot, read_header, save_snapshot, verify_chunks
+from shared.registry.wire import MODEL_FILES, Manifest, ObjectRef, Plan
+from shared.relay import WORKER_ID, PeerAnnouncement, PeerList
 from shared.storage import ObjectNotFound, ObjectStorage
 
 log = logging.getLogger(__name__)
@@ -52,145 +49,10 @@ log = logging.getLogger(__name__)
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 OBJECT_FOLDERS = ("patches/", "snapshots/", "manifests/", "merged/", "model/")
 KEY_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")  # every name the registry writes
-# Config and tokenizer JSON: the largest common tokenizer.json files are ~10-20 MB.
-MAX_MODEL_FILE_BYTES = 64 << 20
-UploadKind = Literal["patch", "snapshot", "model"]
-
-
-class RegistryError(Exception):
-    status = 400
-
-
-class NotFound(RegistryError):
-    status = 404
-
-
-class Conflict(RegistryError):
-    status = 409
-
-
-class TooLarge(RegistryError):
-    status = 413
-
-
-class Invalid(RegistryError):
-    status = 422
-
-
-class BadRange(RegistryError):
-    status = 416
-
-    def __init__(self, message: str, size: int) -> None:
-        super().__init__(message)
-        self.size = size
-
-
-def piece_hashes(data: bytes, piece_bytes: int) -> list[str]:
-    view = memoryview(data)
-    return [hashlib.sha256(view[i : i + piece_bytes]).hexdigest() for i in range(0, len(data), piece_bytes)]
-
-
-class UploadCheck:
-    """An upload checked as its bytes arrive: the size limit, then the magic bytes and the length
-    its own header declares, so junk is refused after its first bytes instead of being held in
-    memory up to the limit. The whole body is still needed to verify it (chunks, fingerprint)."""
-
-    def __init__(self, kind: UploadKind, limit: int, declared: int | None = None) -> None:
-        self.kind = kind
-        self.limit = min(limit, MAX_MODEL_FILE_BYTES) if kind == "model" else limit
-        self.declared = declared
-        self.expected: int | None = None  # total size, once the header has arrived
-        self.opened = False  # model files: the first non-blank byte was a '{'
-        self.body = bytearray()
-        if declared is not None and declared > self.limit:
-            raise TooLarge(f"body of {declared} bytes exceeds the limit of {self.limit}")
-
-    def feed(self, chunk: bytes) -> None:
-        self.body += chunk
-        if len(self.body) > self.limit:
-            raise TooLarge(f"body exceeds the limit of {self.limit} bytes")
-        if self.kind == "model":
-            if not self.opened and (start := chunk.lstrip()[:1]):  # earlier chunks were all blank
-                if start != b"{":
-                    raise Invalid("a model file is a JSON object")
-                self.opened = True
-        elif self.expected is None:
-            try:
-                self.expected = self._declared_size()
-            except PatchError as exc:
-                raise Invalid(f"malformed {self.kind}: {type(exc).__name__}: {exc}") from exc
-            if self.expected is not None:
-                if self.expected > self.limit:
-                    raise TooLarge(f"{self.kind} of {self.expected} bytes exceeds the limit of {self.limit}")
-                if self.declared is not None and self.declared != self.expected:
-                    raise Invalid(f"Content-Length is {self.declared}, the {self.kind} says {self.expected} bytes")
-        if self.expected is not None and len(self.body) > self.expected:
-            raise Invalid(f"{self.kind} is longer than the {self.expected} bytes its header declares")
-
-    def _declared_size(self) -> int | None:
-        """The total size a patch or snapshot declares once its header is in; None until then."""
-        body = self.body
-        if self.kind == "patch":
-            if bytes(body[: len(MAGIC)]) != MAGIC[: len(body)]:
-                raise Invalid("not a sparsecast patch (bad magic)")
-            if len(body) < 16:
-                return None
-            size = header_size(bytes(body[:16]))  # refuses an oversized header length
-            return read_header(bytes(body[:size])).total_size if len(body) >= size else None
-        if len(body) < 9:
-            return None
-        size = snapshot_header_size(bytes(body[:9]))
-        return snapshot_size(bytes(body[:size])) if len(body) >= size else None
-
-    def finish(self) -> bytes:
-        if not self.body:
-            raise RegistryError("empty body")
-        if self.expected is not None and len(self.body) < self.expected:
-            raise Invalid(f"{self.kind} is truncated: {len(self.body)} of {self.expected} bytes")
-        return bytes(self.body)
-
-
-def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
-    """One `bytes=a-b`, `bytes=a-` or `bytes=-n` range → [start, end); None for the whole object."""
-    if header is None:
-        return None
-    match = re.fullmatch(r"\s*bytes\s*=\s*(\d*)\s*-\s*(\d*)\s*", header)
-    if not match or match.group(1) == match.group(2) == "":
-        raise BadRange(f"unsupported Range {header!r}: one bytes=start-end range is served", size)
-    first, last = match.groups()
-    if first == "":
-        start, end = max(0, size - int(last)), size
-    else:
-        start = int(first)
-        end = min(size, int(last) + 1) if last else size
-    if start >= size or start >= end:
-        raise BadRange(f"Range {header!r} is outside the object of {size} bytes", size)
-    return start, end
 
 
 def dense_bytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
-
-
-@dataclass
-class RunState:
-    manifests: dict[int, Manifest] = field(default_factory=dict)
-    merged: dict[tuple[int, int], ObjectRef] = field(default_factory=dict)
-    leases: dict[str, float] = field(default_factory=dict)  # object key → monotonic expiry
-    # Merges that plans could not use because nobody may build them on a read: lag b−a → when a
-    # plan last wanted it; SNAPSHOT_LAG stands for "newest snapshot → head" (fresh workers).
-    wanted: dict[int, float] = field(default_factory=dict)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-    @property
-    def head(self) -> int | None:
-        return max(self.manifests) if self.manifests else None
-
-    def snapshots(self) -> list[int]:
-        return sorted(v for v, m in self.manifests.items() if m.snapshot is not None)
-
-
-SNAPSHOT_LAG = 0  # key of RunState.wanted for the snapshot s → head merge (real lags are >= 2)
 
 
 class RedisAnnouncer:
@@ -226,10 +88,9 @@ class Registry:
         self.metrics = metrics or RegistryMetrics()
         self.announce = announce
         self._runs: dict[str, RunState] = {}
+        self.peers = PeerDirectory(settings.peer_ttl_s, settings.peer_max_listed)
         self._loading = asyncio.Lock()
-        self._merge_locks: dict[tuple[str, int, int], asyncio.Lock] = {}
-        # Merges are CPU-heavy (seconds for a 1.7B chain): one at a time, whoever asks.
-        self._merge_slot = asyncio.Semaphore(1)
+        self.merger = Merger(storage, settings, self.metrics, self._read_verified, self.state_at)
         self._tasks: set[asyncio.Task[None]] = set()
         # Plan leases live in memory: after a restart nothing is deleted for one lease period, so
         # plans handed out by the previous process stay served (docs/registry.md, retention).
@@ -255,7 +116,7 @@ class Registry:
                         state.merged[(a, b)] = ref
                 self._runs[run] = state
                 if state.head is not None:
-                    self.metrics.head.labels(run).set(state.head)
+                    self.metrics.head.labels(run).set(manifest.version if state.head is None else state.head)
         return self._runs[run]
 
     async def idle(self) -> None:
@@ -290,28 +151,24 @@ class Registry:
             raise Invalid(f"bad object key {key!r}: expected e.g. patches/3-4.patch")
         return f"{run}/{key}"
 
-    async def object_range(self, run: str, key: str, range_header: str | None) -> tuple[str, int, int, int, bool]:
-        """(store key, start, end, size, partial) for GET objects/{key}."""
+    async def object_size(self, run: str, key: str) -> tuple[str, int]:
+        """(store key, size) of a run's object, for GET objects/{key} (its Range: .ranges)."""
         await self._run(run)
         store_key = self.object_key(run, key)
         try:
-            size = await self.storage.size(store_key)
+            return store_key, await self.storage.size(store_key)
         except ObjectNotFound as exc:
             raise NotFound(f"no object {key!r} in run {run!r}") from exc
-        span = parse_range(range_header, size)
-        start, end = span if span else (0, size)
-        return store_key, start, end, size, span is not None
 
     # -- publishing --
 
-    def _ref(self, run: str, key: str, data: bytes) -> ObjectRef:
-        pb = self.settings.piece_bytes
-        return ObjectRef(key=key, size=len(data), piece_bytes=pb, pieces=piece_hashes(data, pb))
+    def _ref(self, key: str, data: bytes) -> ObjectRef:
+        return object_ref(key, data, self.settings.piece_bytes)
 
     async def _commit(self, run: str, state: RunState, manifest: Manifest) -> None:
         await self.storage.put(f"{run}/manifests/{manifest.version}.json", manifest.model_dump_json().encode())
         state.manifests[manifest.version] = manifest
-        self.metrics.head.labels(run).set(state.head)
+        self.metrics.head.labels(run).set(max(state.manifests))
 
     async def publish_patch(self, run: str, version: int, data: bytes, metrics: dict[str, Any]) -> Manifest:
         state = await self._run(run)
@@ -343,7 +200,7 @@ class Registry:
                 fingerprint=header.target_fingerprint,
                 base_version=head,
                 base_fingerprint=header.base_fingerprint,
-                patch=self._ref(run, key, data),
+                patch=self._ref(key, data),
                 dense_bytes=header.dense_bytes,
                 changed=header.changed,
                 created_at=time.time(),
@@ -356,7 +213,7 @@ class Registry:
         every = self.settings.snapshot_every
         if every and version % every == 0:
             self._spawn(self._materialize(run, version))
-        self._spawn(self._merge_wanted(run, version))
+        self._spawn(self.merger.wanted(run, state, version))
         return manifest
 
     @staticmethod
@@ -385,7 +242,7 @@ class Registry:
                 raise Conflict(f"snapshot fingerprint {info.fingerprint} differs from version {version}'s {existing.fingerprint}")
             key = f"snapshots/{version}.safetensors"
             await self.storage.put(f"{run}/{key}", data)
-            ref = self._ref(run, key, data)
+            ref = self._ref(key, data)
             if existing is not None:
                 manifest = existing.model_copy(update={"snapshot": ref})
             else:
@@ -435,10 +292,10 @@ class Registry:
         base = max((s for s in state.snapshots() if s <= version), default=None)
         if base is None:
             raise NotFound(f"no snapshot at or below version {version} of run {run!r}")
-        snapshot = await self._read_verified(run, state.manifests[base].snapshot)
+        snapshot = await self._read_verified(run, stored(state.manifests[base].snapshot, 'snapshot'))
         tensors, _ = await asyncio.to_thread(load_snapshot, snapshot)
         for v in range(base + 1, version + 1):
-            blob = await self._read_verified(run, state.manifests[v].patch)
+            blob = await self._read_verified(run, stored(state.manifests[v].patch, 'patch'))
             await asyncio.to_thread(apply_patch, tensors, blob, verify=True)
         return tensors
 
@@ -467,158 +324,42 @@ class Registry:
         except ObjectNotFound as exc:
             raise NotFound(f"run {run!r} has no {name}") from exc
 
-    # -- planning --
+    # -- planning (services.registry.planner), merges (.merge), retention (.retention) --
 
-    def _chain(self, state: RunState, a: int, b: int) -> list[Manifest] | None:
-        if b - a > len(state.manifests):  # cannot all be retained: answer without walking b−a
-            return None
-        chain = [state.manifests.get(v) for v in range(a + 1, b + 1)]
-        return chain if all(m is not None and m.patch is not None for m in chain) else None  # type: ignore[misc]
+    async def announce_peer(self, run: str, worker: str, body: PeerAnnouncement) -> PeerList:
+        """A worker holds (or is fetching) these objects and serves them at body.url (shared.relay)."""
+        await self._run(run)
+        if not WORKER_ID.fullmatch(worker):
+            raise Invalid(f"bad worker id {worker!r}")
+        for key in body.objects:
+            self.object_key(run, key)  # refuses keys outside the run's folders
+        return PeerList(peers=self.peers.announce(run, worker, body.url, body.objects))
+
+    async def leave_peer(self, run: str, worker: str) -> None:
+        await self._run(run)
+        if not self.peers.leave(run, worker):
+            raise NotFound(f"worker {worker!r} is not a peer of run {run!r}")
 
     async def plan(
-        self, run: str, from_version: int | None, to_version: int | None, *, build_merges: bool = True
+        self, run: str, from_version: int | None, to_version: int | None, *, build_merges: bool = True,
+        peer: str | None = None,
     ) -> Plan:
         """The cheapest way from `from_version` to `to_version`. Without `build_merges` (an
         unauthenticated read) a missing merged patch is not built: the plan uses what is stored,
         and the wish is noted so that the next publish builds it (reads never write)."""
         state = await self._run(run)
         target = await self.manifest(run, to_version)
-        b = target.version
-        a = None if from_version is None or from_version == -1 else from_version
-        if a is not None and (a < -1 or a > b):
-            raise Invalid(f"cannot plan from version {a} to {b}: from must be -1 (no weights) or <= to")
-        candidates: list[tuple[int, int, str, list[PlanStep]]] = []  # (bytes, preference, kind, steps)
 
-        def patch_step(ref: ObjectRef, base: int, m: Manifest) -> PlanStep:
-            return PlanStep(kind="patch", object=ref, base_version=base, target_version=m.version, fingerprint=m.fingerprint)
+        def merged_for(a: int, b: int, wish: int) -> Awaitable[ObjectRef | None]:
+            return self.merger.for_plan(run, state, a, b, wish, build_merges)
 
-        if a == b:
-            candidates.append((0, 0, "none", []))
-        elif a is not None and (chain := self._chain(state, a, b)) is not None:
-            steps = [patch_step(m.patch, m.version - 1, m) for m in chain]
-            candidates.append((sum(s.object.size for s in steps), 2, "chain", steps))
-            if 2 <= b - a <= self.settings.max_merge_lag:
-                merged = await self._merged_for_plan(run, state, a, b, b - a, build_merges)
-                if merged is not None:
-                    candidates.append((merged.size, 1, "merged", [patch_step(merged, a, target)]))
-        snapshots = [s for s in state.snapshots() if s <= b]
-        for s in snapshots:
-            if (chain := self._chain(state, s, b)) is None:
-                continue
-            snap = state.manifests[s]
-            first = PlanStep(kind="snapshot", object=snap.snapshot, base_version=None, target_version=s, fingerprint=snap.fingerprint)
-            steps = [first] + [patch_step(m.patch, m.version - 1, m) for m in chain]
-            candidates.append((sum(st.object.size for st in steps), 3, "snapshot", steps))
-            # For a worker with no usable patch path, one merged patch from the newest snapshot
-            # can replace the chain (fewer bytes, one apply). Not built otherwise: a patch path
-            # is far smaller than any snapshot, so that merge would be wasted work.
-            patch_path = any(c[2] != "snapshot" for c in candidates)
-            if not patch_path and s == snapshots[-1] and 2 <= b - s <= self.settings.max_merge_lag:
-                merged = await self._merged_for_plan(run, state, s, b, SNAPSHOT_LAG, build_merges)
-                if merged is not None:
-                    candidates.append((snap.snapshot.size + merged.size, 3, "snapshot", [first, patch_step(merged, s, target)]))
-        if not candidates:
-            raise NotFound(f"no snapshot or chain reaches version {b} of run {run!r}")
-        total, _, kind, steps = min(candidates, key=lambda c: (c[0], c[1]))
-        expiry = time.monotonic() + self.settings.plan_lease_s
-        for step in steps:
-            state.leases[step.object.key] = max(state.leases.get(step.object.key, 0.0), expiry)
-        self.metrics.plans.labels(kind).inc()
-        return Plan(
-            run=run, from_version=a, to_version=b, kind=kind, fingerprint=target.fingerprint,  # type: ignore[arg-type]
-            total_bytes=total, steps=steps, lease_s=self.settings.plan_lease_s,
-        )
-
-    async def _merged_for_plan(
-        self, run: str, state: RunState, a: int, b: int, wish: int, build: bool
-    ) -> ObjectRef | None:
-        if build or (a, b) in state.merged:
-            return await self._merged(run, state, a, b)
-        state.wanted[wish] = time.monotonic()
-        return None
-
-    async def _merge_wanted(self, run: str, version: int) -> None:
-        """After publishing `version`: build the merges plans wanted lately, ending at it, so that
-        workers asking anonymously find them (at most max_publish_merges, most recent wishes first)."""
-        state = self._runs[run]
-        now = time.monotonic()
-        recent = {k: t for k, t in state.wanted.items() if now - t <= self.settings.merge_demand_s}
-        state.wanted = recent
-        limit = self.settings.max_publish_merges
-        for wish in sorted(recent, key=lambda k: (-recent[k], k))[:limit]:
-            if wish == SNAPSHOT_LAG:
-                a = max((v for v in state.snapshots() if v <= version), default=None)
-            else:
-                a = version - wish
-            if a is not None and 2 <= version - a <= self.settings.max_merge_lag and state.head == version:
-                await self._merged(run, state, a, version)
-
-    async def _merged(self, run: str, state: RunState, a: int, b: int) -> ObjectRef | None:
-        """The merged a→b patch, built once and cached in the store; None if it cannot be built."""
-        if (a, b) in state.merged:
-            return state.merged[(a, b)]
-        lock = self._merge_locks.setdefault((run, a, b), asyncio.Lock())
-        async with lock, self._merge_slot:
-            if (a, b) in state.merged:
-                return state.merged[(a, b)]
-            t0 = time.perf_counter()
-            try:
-                chain = self._chain(state, a, b)
-                if chain is None:
-                    return None
-                blobs = [await self._read_verified(run, m.patch) for m in chain]
-                try:
-                    data = await asyncio.to_thread(merge_patches, blobs)
-                except PatchError:
-                    # Chains mixing `values` and `bitdelta` tensors merge only against the base.
-                    base = await self.state_at(run, a)
-                    data = await asyncio.to_thread(merge_patches, blobs, base)
-            except Exception as exc:  # noqa: BLE001 - the chain and snapshot paths still exist
-                log.warning("merging %s %d→%d failed: %s", run, a, b, exc)
-                return None
-            key = f"merged/{a}-{b}.patch"
-            ref = self._ref(run, key, data)
-            await self.storage.put(f"{run}/{key}", data)
-            await self.storage.put(f"{run}/merged/{a}-{b}.json", ref.model_dump_json().encode())
-            state.merged[(a, b)] = ref
-            self.metrics.merge_seconds.observe(time.perf_counter() - t0)
-            return ref
-
-    # -- retention --
-
-    def _leased(self, state: RunState, keys: Iterable[str], now: float) -> bool:
-        return any(state.leases.get(k, 0.0) > now for k in keys)
+        plan = await cheapest_plan(run, state, target, from_version, self.settings, merged_for)
+        self.metrics.plans.labels(plan.kind).inc()
+        peers = {st.object.key: self.peers.holders(run, st.object.key, exclude=peer) for st in plan.steps}
+        return plan.model_copy(update={"peers": {k: v for k, v in peers.items() if v}})
 
     async def retain(self, run: str) -> int:
-        """Keep the last `keep_snapshots` snapshots and every version from the oldest kept one;
-        delete what lies below it, except objects a plan handed out within `plan_lease_s`.
-        Manifests go first so no reader ever sees a version whose objects are gone."""
-        state = await self._run(run)
-        now = time.monotonic()
-        if now < self._started + self.settings.plan_lease_s:
-            return 0
-        deleted = 0
-        async with state.lock:
-            snapshots = state.snapshots()
-            if len(snapshots) <= self.settings.keep_snapshots:
-                return 0
-            floor = snapshots[-self.settings.keep_snapshots]
-            state.leases = {k: t for k, t in state.leases.items() if t > now}
-            for v in sorted(v for v in state.manifests if v < floor):
-                m = state.manifests[v]
-                keys = [ref.key for ref in (m.patch, m.snapshot) if ref is not None]
-                if self._leased(state, keys, now):
-                    continue
-                await self.storage.delete(f"{run}/manifests/{v}.json")
-                del state.manifests[v]
-                for key in keys:
-                    await self.storage.delete(f"{run}/{key}")
-                deleted += 1 + len(keys)
-            for (a, b), ref in list(state.merged.items()):
-                if a < floor and not self._leased(state, [ref.key], now):
-                    await self.storage.delete(f"{run}/merged/{a}-{b}.json")
-                    await self.storage.delete(f"{run}/{ref.key}")
-                    del state.merged[(a, b)]
-                    deleted += 2
+        """Delete what retention no longer keeps (services.registry.retention); returns the count."""
+        deleted = await retain(self.storage, run, await self._run(run), self.settings, self._started)
         self.metrics.deleted.inc(deleted)
         return deleted

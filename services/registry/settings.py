@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.settings import ServiceSettings
 from shared.storage import S3Options
 
 
-class RegistrySettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SPARSECAST_", extra="ignore")
-
-    host: str = "127.0.0.1"  # loopback unless told otherwise; off loopback an API token is required
+class RegistrySettings(ServiceSettings):
     port: int = 8100
     # file://<dir> (default), s3://<bucket>[/<prefix>] for S3/MinIO; memory:// only for tests.
     store_url: str = "file://./data/registry"
@@ -20,13 +17,10 @@ class RegistrySettings(BaseSettings):
     s3_access_key_id: str | None = None
     s3_secret_access_key: str | None = None
     s3_allow_http: bool = False
-    # Bearer token for writes and for plans that may build merged patches. Unset: writes are
-    # open, which is allowed on a loopback bind only (the service refuses to start otherwise).
-    api_token: str | None = None
-    redis_url: str | None = None
-    redis_prefix: str = "sparsecast"
-    # Run served by default (e.g. the CLI's); the HTTP API serves any run named in the path.
-    run: str = "default"
+    # api_token: the bearer token for writes and for plans that may build merged patches. Unset:
+    # writes are open, which is allowed on a loopback bind only (the service refuses to start
+    # otherwise). run: the run served by default (e.g. the CLI's); the HTTP API serves any run
+    # named in the path. redis_url: where new versions are announced (unset: not announced).
     # The registry materializes a full snapshot every N versions (grail/PULSE keep a full
     # checkpoint every 10 versions, REFERENCE §2); 0 turns that off (trainer uploads only).
     snapshot_every: int = Field(default=10, ge=0)
@@ -42,6 +36,10 @@ class RegistrySettings(BaseSettings):
     # when the next versions are published, at most max_publish_merges per publish.
     merge_demand_s: float = Field(default=600.0, ge=0)
     max_publish_merges: int = Field(default=4, ge=0)
+    # Relay fan-out (shared.relay): a worker's announcement of the objects it serves lasts this
+    # long; plans and announcements list at most peer_max_listed peers per object.
+    peer_ttl_s: float = Field(default=60.0, gt=0)
+    peer_max_listed: int = Field(default=3, ge=0)
 
     def s3_options(self) -> S3Options:
         return S3Options(

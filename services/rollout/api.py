@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from shared.kv import Policy
 from shared.schemas import KVStats, Text
-
-Policy = Literal["dense", "streaming", "snapkv", "h2o", "rkv"]
 
 
 class GenerateRequest(BaseModel):
@@ -92,7 +91,7 @@ class CompletionRequest(BaseModel):
         if isinstance(p, str):
             return [p]
         if p and all(isinstance(x, int) for x in p):
-            return [p]  # type: ignore[list-item]
+            return [p]  # type: ignore[return-value]
         return p  # type: ignore[return-value]
 
     def stops(self) -> list[str]:

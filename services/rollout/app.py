@@ -40,10 +40,12 @@ from services.rollout.sync import (
 )
 from services.rollout.worker import LOOP as WORKER_LOOP
 from services.rollout.worker import RolloutWorker
+from shared.agreement import kv_policy_refusal
 from shared.coord import Coordinator, connect
 from shared.health import HealthMetrics, Liveness
 from shared.http import PROMETHEUS_TEXT, error_responses, install_error_handling
-from shared.registry_client import RegistryClient
+from shared.registry.client import RegistryClient
+from shared.relay import RELAY_PATH, Holdings, Relay, relay_endpoint
 from shared.retry import Outage, transient
 from shared.schemas import one_line_error
 
@@ -93,6 +95,7 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
     state: dict = {"core": core, "sync": None, "worker": None, "waiting": None, "redis": None}
     liveness = Liveness()
     outages = {"redis": Outage("redis", log), "registry": Outage("registry", log)}
+    holdings = Holdings()
     health_metrics = HealthMetrics(metrics.registry, "rollout")
 
     @contextlib.asynccontextmanager
@@ -103,8 +106,10 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
         if settings.registry_url:
             bps = settings.sync_bandwidth_mbps * 1e6 if settings.sync_bandwidth_mbps else None
             client = RegistryClient(settings.registry_url, settings.run, streams=settings.sync_streams,
-                                    bandwidth_bps=bps, redis_url=settings.redis_url or None,
-                                    redis_prefix=settings.redis_prefix)
+                                    bandwidth_bps=bps, redis_url=settings.redis_url,
+                                    redis_prefix=settings.redis_prefix, token=settings.registry_token)
+            if settings.relay:
+                client.downloader.relay = Relay(settings.worker_id, settings.advertise_url, holdings)
         if settings.redis_url:
             state["redis"] = connect(settings.redis_url)
         first_try = asyncio.Event()
@@ -119,7 +124,8 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
                         await check_run_ready(client)
                     if state["core"] is None:
                         state["core"] = await build_core(settings, client)
-                    if state["core"].weights.version < 0:  # local weights that are no published version
+                    if state["core"].weights.version < 0 and client is not None:
+                        # local weights that are no published version
                         sync = WeightSync(state["core"], client, poll_s=settings.sync_poll_s)
                         await sync.sync_to(None)
                 except Exception as exc:
@@ -151,8 +157,8 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
         # The usual start (registry up, run published) completes here, so the server starts ready;
         # a model that cannot load fails the start-up at once, as before.
         await asyncio.wait({booting, asyncio.create_task(first_try.wait())}, return_when=asyncio.FIRST_COMPLETED)
-        if booting.done() and booting.exception() is not None:
-            raise booting.exception()
+        if booting.done() and (failure := booting.exception()) is not None:
+            raise failure
         if state["waiting"]:
             log.warning("rollout worker is up but not ready: %s", state["waiting"])
         try:
@@ -163,6 +169,8 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
                 with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
                     await asyncio.wait_for(task, timeout=30)
             if client is not None:
+                if isinstance(client.downloader.relay, Relay):
+                    await client.downloader.relay.aclose()
                 await client.aclose()
             if state["redis"] is not None:
                 await state["redis"].aclose()
@@ -170,6 +178,8 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
     app = FastAPI(title="sparsecast rollout", version="0.1.0", lifespan=lifespan, responses=error_responses(422),
                   description="Sparse-KV generation, an OpenAI completions subset, live weight sync.")
     install_error_handling(app)
+    if settings.relay:  # peers fetch the pieces this worker verified (shared.relay)
+        app.add_route(RELAY_PATH, relay_endpoint(holdings), methods=["GET"], include_in_schema=False)
     bearer = HTTPBearer(auto_error=False)
     generation = error_responses(400, 401, 413, 503)
 
@@ -192,8 +202,8 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
     async def generate(req: GenerateRequest, core: RolloutCore = Depends(get_core)) -> GenerateResponse:
         prompts = req.prompt_ids if req.prompt_ids is not None else [core.encode(t) for t in req.prompts or []]
         check_budget(core, len(prompts) * req.n, req.max_tokens)
-        if core.engine.name == "vllm" and (req.kv_policy or "dense") != "dense":
-            raise HTTPException(400, f"kv_policy {req.kv_policy!r} needs the native engine; this worker runs vllm (dense)")
+        if refusal := kv_policy_refusal(core.engine.name, req.kv_policy):
+            raise HTTPException(400, refusal)
         try:
             core.check_lengths(prompts, req.max_tokens)
             kv = core.kv_config(req.kv_policy, req.kv_budget, **req.kv)
@@ -265,7 +275,7 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
         return WeightsInfo(version=w.version, fingerprint=w.fingerprint, sync_state=w.sync_state,
                            last_error=w.last_error, last_sync=w.last_sync, engine=core.engine.name,
                            history=list(sync.history) if sync else [],
-                           registry_url=settings.registry_url or None)
+                           registry_url=settings.registry_url)
 
     @app.get("/healthz")
     async def healthz(response: Response) -> dict:
@@ -337,7 +347,7 @@ def _cut_at_stop(core: RolloutCore, ids: list[int], logprobs: list[float], finis
         return ids, logprobs, finish
     text = ""
     for n, token in enumerate(ids):
-        text += core.tokenizer.decode([token])
+        text += str(core.tokenizer.decode([token]))
         if any(s in text for s in stops):
             return ids[:n], logprobs[:n], "stop"
     return ids, logprobs, finish

@@ -7,9 +7,10 @@ No HTTP here. Every use of the engine — a generation batch or a weight update 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,11 +20,13 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from services.rollout.engine.config import GenerationOutput, KVConfig, SamplingParams, check_token_ids
 from services.rollout.settings import RolloutSettings
+from shared.agreement import DENSE_ONLY_ENGINES
+from shared.coord.scheduling import StallMeter
+from shared.dtypes import DTYPES
 from shared.patch import fingerprint
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class Engine(Protocol):
@@ -82,6 +85,7 @@ class RolloutCore:
         self.config = AutoConfig.from_pretrained(model_dir)
         self.max_positions = int(getattr(self.config, "max_position_embeddings", 1 << 30))
         self.engine_lock = asyncio.Lock()
+        self.sync_stall = StallMeter()  # generation lost to weight sync, for the scheduler
         self.weights = WeightState(version=version, fingerprint=fingerprint(engine.state_dict()))
         self.generated_tokens = 0
         self.generation_seconds = 0.0
@@ -101,10 +105,10 @@ class RolloutCore:
         return list(self.tokenizer(text).input_ids)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
     def kv_config(self, policy: str | None = None, budget: int | None = None, **extra: Any) -> KVConfig:
-        if self.engine.name == "vllm":
+        if self.engine.name in DENSE_ONLY_ENGINES:
             return KVConfig(policy="dense")
         return KVConfig(
             policy=policy or self.settings.kv_policy,
@@ -135,6 +139,17 @@ class RolloutCore:
         self.generated_tokens += batch.generated_tokens
         self.generation_seconds += seconds
         return batch
+
+    @contextlib.asynccontextmanager
+    async def weights_swap(self) -> AsyncIterator[None]:
+        """Hold the engine for a weight change (a batch boundary); the time it is held counts as
+        stalled on sync."""
+        async with self.engine_lock:
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.sync_stall.add(time.perf_counter() - t0)
 
     @property
     def tokens_per_s(self) -> float:

@@ -1,9 +1,9 @@
 """Live weight sync: download in the background, apply at a batch boundary, verify, report.
 
-Downloads (and, for the snapshot path, decoding) run while the engine keeps generating; only the
-in-place writes hold the engine lock. Every patch is applied all-or-nothing with its target
-fingerprint checked, so the weights are always exactly some published version. Any verification
-failure falls back to the snapshot path; nothing unverified is ever served.
+The sync itself is shared.registry.sync's `sync_weights`; this module gives it the engine as a
+`WeightTarget` (writes hold the engine lock, so they land at a batch boundary) and runs the loop
+that follows the registry's head. The weights are always exactly some published version; nothing
+unverified is ever served.
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import deque
+from collections.abc import Awaitable, MutableMapping
 from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
 import torch
@@ -21,11 +22,13 @@ from safetensors.torch import save_file
 
 from services.rollout.core import RolloutCore
 from shared.health import Liveness
-from shared.patch import PatchError, apply_patch, fingerprint, load_snapshot
-from shared.registry_client import CorruptObjectError, Plan, RegistryClient, RegistryHTTPError
+from shared.registry.client import RegistryClient
+from shared.registry.errors import RegistryHTTPError
+from shared.registry.sync import WeightTarget, sync_weights
 from shared.retry import Outage, transient
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 LOOP = "sync"  # the sync loop's name in Liveness
 # A wait for the next version returns at least this often, so the loop beats (shared.health).
 VERSION_WAIT_S = 30.0
@@ -52,8 +55,9 @@ async def bootstrap_model(client: RegistryClient, dest: Path) -> int:
     dest.mkdir(parents=True, exist_ok=True)
     await client.fetch_model_files(dest)
     state: dict[str, torch.Tensor] = {}
-    result = await client.sync_to(state, None)  # snapshot + chain, each verified
-    await asyncio.to_thread(save_file, {k: v.contiguous() for k, v in state.items()}, str(dest / "model.safetensors"))
+    result = await sync_weights(client, state, None)  # snapshot + chain, each verified
+    await asyncio.to_thread(save_file, {k: v.contiguous() for k, v in state.items()},
+                            str(dest / "model.safetensors"))
     return result.version
 
 
@@ -63,6 +67,29 @@ async def match_registry_version(client: RegistryClient, local_fingerprint: str)
         if manifest.fingerprint == local_fingerprint:
             return manifest.version
     return None
+
+
+class EngineWeights(WeightTarget):
+    """The serving engine's weights: written under the engine lock, status kept in core.weights."""
+
+    def __init__(self, core: RolloutCore) -> None:
+        super().__init__()
+        self.core = core
+
+    def state(self) -> MutableMapping[str, torch.Tensor]:
+        return self.core.engine.state_dict()
+
+    def writing(self) -> contextlib.AbstractAsyncContextManager[object]:
+        return self.core.weights_swap()  # the engine lock; its hold counts as stalled on sync
+
+    def updated(self, names: set[str]) -> None:
+        self.core.engine.weights_updated(names)
+
+    def reached(self, version: int, fingerprint: str) -> None:
+        self.core.weights.version, self.core.weights.fingerprint = version, fingerprint
+
+    def phase(self, phase: str) -> None:
+        self.core.weights.sync_state = phase
 
 
 class WeightSync:
@@ -79,7 +106,7 @@ class WeightSync:
         self.bytes = 0
         self.download_mbps = 0.0
         # The last syncs (version reached, fingerprint, path, bytes, seconds): shown on /v1/weights.
-        self.history: deque[dict] = deque(maxlen=256)
+        self.history: deque[dict[str, Any]] = deque(maxlen=256)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the registry's head. An unreachable registry is waited out (logged once per
@@ -109,85 +136,29 @@ class WeightSync:
     async def sync_to(self, target: int | None = None) -> int:
         """Bring the engine's weights to `target` (None: latest). Returns the version now held."""
         weights = self.core.weights
-        t0 = time.perf_counter()
-        plan = await self.client.plan(weights.version, target)
-        if plan.kind == "none" or plan.to_version == weights.version:
-            return weights.version
-        weights.sync_state = "downloading"
-        fallbacks_before = self.fallbacks
         try:
-            try:
-                version = await self._follow(plan)
-            except (CorruptObjectError, PatchError) as exc:
-                log.warning("sync %s→%s failed verification (%s); taking the snapshot path",
-                            weights.version, plan.to_version, exc)
-                self.fallbacks += 1
-                version = await self._follow(await self.client.plan(None, plan.to_version))
+            result = await sync_weights(self.client, EngineWeights(self.core), weights.version, target)
         except Exception as exc:
             weights.sync_state, weights.last_error = "failed", str(exc)
             raise SyncFailed(str(exc)) from exc
-        seconds = time.perf_counter() - t0
+        if result.path == "none":
+            return weights.version
+        plan = result.plan
         self.syncs += 1
+        self.fallbacks += result.fell_back
         self.bytes += plan.total_bytes
-        self.download_mbps = plan.total_bytes * 8 / 1e6 / max(seconds, 1e-6)
+        self.download_mbps = plan.total_bytes * 8 / 1e6 / max(result.seconds, 1e-6)
         weights.sync_state, weights.last_error = "idle", None
-        weights.last_sync = {"from": plan.from_version, "to": version, "fingerprint": weights.fingerprint,
-                             "path": plan.kind, "bytes": plan.total_bytes, "seconds": round(seconds, 4),
-                             "fell_back": self.fallbacks > fallbacks_before}
+        weights.last_sync = {"from": plan.from_version, "to": result.version, "fingerprint": weights.fingerprint,
+                             "path": plan.kind, "bytes": plan.total_bytes, "seconds": round(result.seconds, 4),
+                             "fell_back": result.fell_back}
         self.history.append(weights.last_sync)
-        log.info("weights now at version %d (%s, %d bytes, %.2fs)", version, plan.kind, plan.total_bytes, seconds)
-        return version
-
-    async def _follow(self, plan: Plan) -> int:
-        blobs = await self.client.download([step.object for step in plan.steps])
-        if plan.kind == "snapshot":
-            return await self._install_snapshot(plan, blobs)
-        return await self._apply_patches(blobs)
-
-    async def _apply_patches(self, blobs: list[memoryview]) -> int:
-        core = self.core
-        async with core.engine_lock:  # batch boundary: no generation runs while weights change
-            core.weights.sync_state = "applying"
-            state = core.engine.state_dict()
-            changed: set[str] = set()
-            try:
-                for blob in blobs:
-                    header = await asyncio.to_thread(apply_patch, state, blob, verify=True)
-                    changed.update(t.name for t in header.tensors)
-                    core.weights.version, core.weights.fingerprint = header.target_version, header.target_fingerprint
-            finally:
-                if changed:
-                    core.engine.weights_updated(changed)
-            return core.weights.version
-
-    async def _install_snapshot(self, plan: Plan, blobs: list[memoryview]) -> int:
-        def build() -> tuple[dict[str, torch.Tensor], str]:
-            tensors, info = load_snapshot(blobs[0])  # verifies the tensors against its fingerprint
-            for blob in blobs[1:]:
-                apply_patch(tensors, blob, verify=True)
-            return tensors, fingerprint(tensors)
-
-        tensors, fp = await asyncio.to_thread(build)  # decoded off the lock, while generation goes on
-        if fp != plan.fingerprint:
-            raise SyncFailed(f"snapshot path ends at fingerprint {fp}, plan promised {plan.fingerprint}")
-        core = self.core
-        async with core.engine_lock:
-            core.weights.sync_state = "applying"
-            state = core.engine.state_dict()
-            if set(state) != set(tensors):
-                raise SyncFailed("snapshot tensor names differ from the engine's weights")
-            for name, tensor in tensors.items():  # check everything before the first write
-                if state[name].shape != tensor.shape or state[name].dtype != tensor.dtype:
-                    raise SyncFailed(f"{name}: snapshot has {tensor.dtype}{list(tensor.shape)}, engine differs")
-            with torch.no_grad():
-                for name, tensor in tensors.items():
-                    state[name].copy_(tensor)
-            core.engine.weights_updated(set(tensors))
-            core.weights.version, core.weights.fingerprint = plan.to_version, fp
-            return plan.to_version
+        log.info("weights now at version %d (%s, %d bytes, %.2fs)", result.version, plan.kind,
+                 plan.total_bytes, result.seconds)
+        return result.version
 
 
-async def _unless_stopped(coro, stop: asyncio.Event):
+async def _unless_stopped(coro: Awaitable[T], stop: asyncio.Event) -> T | None:
     """Await `coro`, but cancel it and return None as soon as `stop` is set (prompt shutdown)."""
     task, stopper = asyncio.ensure_future(coro), asyncio.ensure_future(stop.wait())
     try:

@@ -33,9 +33,11 @@ from services.rollout.engine.config import (
     SamplingParams,
     check_token_ids,
 )
+from shared.agreement import kv_policy_refusal
+from shared.dtypes import DTYPES, MODEL_DTYPES
 
 WORKER_EXTENSION = "services.rollout.vllm_ext.SparsecastWorkerExtension"
-_VLLM_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_VLLM_DTYPES = {DTYPES[name]: name for name in MODEL_DTYPES}
 # Options the engine sets itself: changing them would break the log-prob or weight-update contract.
 _RESERVED_OPTIONS = ("model", "dtype", "skip_tokenizer_init", "logprobs_mode", "worker_extension_cls")
 # Upper bound on the safetensors payload of one weight-update rpc (whole fused layers per call):
@@ -184,9 +186,8 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ generation
     def _check(self, prompts: list[list[int]], params: SamplingParams, kv: KVConfig) -> None:
-        if kv.policy != "dense":
-            raise ValueError(f"the vllm engine keeps a dense KV cache; KV policy {kv.policy!r} "
-                             "needs the native engine (engine='native')")
+        if refusal := kv_policy_refusal(self.name, kv.policy):
+            raise ValueError(refusal)
         check_token_ids(prompts, params, self.config["vocab_size"])
         filtered = params.temperature > 0 and (params.top_k > 0 or params.top_p < 1.0)
         if filtered and not self._logprob_hook:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import time
@@ -24,6 +25,7 @@ from services.rollout.core import Batch, RolloutCore
 from services.rollout.engine.config import GenerationOutput, SamplingParams
 from services.rollout.settings import RolloutSettings
 from services.rollout.sync import WeightSync
+from shared.agreement import served_kv_policy
 from shared.coord import Coordinator, Lease
 from shared.health import Liveness
 from shared.retry import Outage, transient
@@ -64,7 +66,7 @@ class RolloutWorker:
 
     def info(self) -> WorkerInfo:
         core, s = self.core, self.settings
-        kv_policy = "dense" if core.engine.name == "vllm" else s.kv_policy
+        kv_policy = served_kv_policy(core.engine.name, s.kv_policy)
         return WorkerInfo(
             worker_id=s.worker_id,
             engine=core.engine.name,
@@ -73,8 +75,10 @@ class RolloutWorker:
             weight_version=core.weights.version,
             tokens_per_s=core.tokens_per_s,
             download_mbps=self.sync.download_mbps if self.sync else 0.0,
+            sync_stall=core.sync_stall.share(),
             leases=len(self.held),
             url=s.advertise_url or None,
+            sampling=self._sampling(),
         )
 
     async def heartbeat(self, stop: asyncio.Event) -> None:
@@ -132,9 +136,11 @@ class RolloutWorker:
         """One round: claim what the scheduler allows, then generate, score and complete it."""
         size = await self.coord.claim_size(self.settings.worker_id)
         if size == 0:  # lagging: let the weight sync catch up before taking work
+            t0 = time.perf_counter()
             await self.coord.register_worker(self.info())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), timeout=0.5)
+            self.core.sync_stall.add(time.perf_counter() - t0)
             return
         leases = await self.coord.claim(self.settings.worker_id, size, block_ms=500)
         if leases:
@@ -154,7 +160,7 @@ class RolloutWorker:
                 await self._fail(lease, exc)
                 continue
             if reason:
-                await self._call(lambda lease=lease, reason=reason: self.coord.reject(lease, reason))
+                await self._call(functools.partial(self.coord.reject, lease, reason))
                 self.held.remove(lease)
                 continue
             runnable.append((lease, ids))

@@ -31,7 +31,7 @@ class TrainBatch:
 
     def to(self, device: torch.device | str) -> TrainBatch:
         fields = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()}
-        return TrainBatch(**fields)
+        return TrainBatch(**fields)  # type: ignore[arg-type]  # the same fields, moved
 
     def staleness(self, trainer_version: int) -> dict[int, int]:
         """Histogram of (trainer version − version that generated the trajectory)."""

@@ -32,10 +32,14 @@ from transformers import AutoTokenizer
 from services.trainer.learner import Captured, make_learner
 from services.trainer.ledger import GroupLedger
 from services.trainer.settings import TrainerSettings
+from shared.agreement import sampling_mismatch
 from shared.coord import Coordinator
 from shared.health import Liveness
 from shared.patch import PatchHeader, read_header, save_snapshot
-from shared.registry_client import RegistryClient, RegistryHTTPError
+from shared.registry.client import RegistryClient
+from shared.registry.errors import RegistryHTTPError
+from shared.registry.sync import sync_weights
+from shared.registry.wire import MODEL_FILES
 from shared.retry import Outage, transient
 from shared.schemas import Trajectory
 from shared.tasks import get_task
@@ -43,8 +47,6 @@ from shared.tasks import get_task
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json")
 LOOP = "trainer"  # the name of the step loop in Liveness
 EVAL_SEED = 424_242  # held-out prompts and their sampling: the same at every evaluation
 
@@ -146,7 +148,7 @@ class Trainer:
                         self.version)
             state = self._cpu(await asyncio.to_thread(self.learner.full_published))
             base = self.version if self.version or self.step else None
-            result = await self._registry(lambda: self.registry.sync_to(state, base, latest.version))
+            result = await self._registry(lambda: sync_weights(self.registry, state, base, latest.version))
             await asyncio.to_thread(self._load_published, state, result.version)
         else:
             raise RuntimeError(
@@ -201,7 +203,8 @@ class Trainer:
                 metrics["train_seconds"] = time.perf_counter() - t0
                 t_capture = time.perf_counter()
                 target = self.version + 1
-                snapshot = bool(self.settings.snapshot_every and target % self.settings.snapshot_every == 0)
+                every = self.settings.upload_snapshot_every
+                snapshot = bool(every and target % every == 0)
                 captured = await asyncio.to_thread(self.learner.capture, snapshot)
                 metrics["capture_seconds"] = time.perf_counter() - t_capture
                 group_ids = [t.group_id for t in trajectories]
@@ -304,20 +307,8 @@ class Trainer:
         return queued
 
     def sampling_mismatch(self, trajectory: Trajectory) -> str | None:
-        """Why the trainer cannot correct for how this trajectory was sampled, or None.
-
-        logp_old_dense is recomputed at the trainer's temperature over the full vocabulary, and the
-        recorded sampler log-probs are taken before top-k/top-p: a worker sampling at another
-        temperature or with a truncated distribution would make ξ measure that, not the KV cache.
-        """
-        got, s = trajectory.sampling, self.settings
-        if got is None:
-            return "the worker did not report its sampling parameters"
-        if got.temperature != s.temperature:
-            return f"sampled at temperature {got.temperature}, the trainer assumes {s.temperature}"
-        if got.top_p != s.top_p or got.top_k != 0:
-            return f"sampled with top_p={got.top_p}, top_k={got.top_k}; the trainer assumes top_p={s.top_p}, top_k=0"
-        return None
+        """Why the trainer cannot correct for how this trajectory was sampled, or None (shared.agreement)."""
+        return sampling_mismatch(self.settings, trajectory.sampling)
 
     def _accept(self, trajectory: Trajectory) -> bool:
         reason = self.sampling_mismatch(trajectory)

@@ -31,7 +31,8 @@ def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: T
             for start in range(0, len(prompts), batch_size):
                 chunk = prompts[start: start + batch_size]
                 enc = tokenizer([p for p, _ in chunk], return_tensors="pt", padding=True).to(model.device)
-                out = model.generate(**enc, **sampling, max_new_tokens=task.max_new_tokens,
+                out = model.generate(  # type: ignore[operator]  # transformers' generate is untyped
+                    **enc, **sampling, max_new_tokens=task.max_new_tokens,
                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
                 texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
                 for text, (_, answer) in zip(texts, chunk, strict=True):

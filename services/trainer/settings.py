@@ -4,31 +4,25 @@ SPARSECAST_LOSS__CORRECTIONS__TOKEN_MASK=false)."""
 from __future__ import annotations
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.trainer.loss import LossConfig
 from shared.coord import CoordSettings
+from shared.settings import ModelServiceSettings
 
 
-class TrainerSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SPARSECAST_", env_nested_delimiter="__", extra="ignore")
-
-    host: str = "127.0.0.1"
+class TrainerSettings(ModelServiceSettings):
     port: int = 8000
     # "tiny-demo": the cached warm-start tiny model (services.trainer.warmstart); else a HF model dir.
     model: str = "tiny-demo"
     # Where the warm-start model is cached (shared by demo runs and tests started from the same folder).
     warmstart_cache: str = ".cache/warmstart"
-    device: str = "auto"  # cpu | cuda | cuda:N | auto
     data_dir: str = "./data/trainer"  # checkpoints, metrics.jsonl, the warm-start cache
-    run: str = "default"
-    # Bearer token for writes (prompts, pause/resume, checkpoint) and for publishing to the
-    # registry. Empty: a random token is made at startup and written to <data_dir>/api-token
-    # (on a loopback bind only: off loopback the service refuses to start without this setting).
-    api_token: str = ""
+    # api_token: the bearer token for writes (prompts, pause/resume, checkpoint) and for
+    # publishing to the registry. Unset: a random token is made at startup and written to
+    # <data_dir>/api-token (on a loopback bind only: off loopback the service refuses to start).
+    # The trainer cannot run without its registry and Redis: both are required.
     registry_url: str = "http://127.0.0.1:8100"
     redis_url: str = "redis://127.0.0.1:6379"
-    redis_prefix: str = "sparsecast"
     coord: CoordSettings = Field(default_factory=CoordSettings)
 
     # Optimisation (Sparse-RL uses lr 1e-6, wd 0.1, betas (0.9, 0.98) on 1.5B-7B models; the
@@ -64,10 +58,12 @@ class TrainerSettings(BaseSettings):
     # metrics as heldout_accuracy / heldout_reward. 0 = off.
     eval_every: int = Field(default=0, ge=0)
     eval_prompts: int = Field(default=128, ge=1)
-    snapshot_every: int = Field(default=0, ge=0, description="trainer-side snapshots; the registry also makes them")
+    # Snapshots the trainer uploads itself every N versions (0: none); not the registry's
+    # SPARSECAST_SNAPSHOT_EVERY, which has the registry build them from the patches.
+    upload_snapshot_every: int = Field(default=0, ge=0)
     seed: int = 0
-    # Request limits of POST /v1/prompts (a 10 MB prompt used to freeze every worker that claimed
-    # it): the body (413 over it, checked while it streams in) and each prompt's fields (422).
+    # Request limits of POST /v1/prompts (why: docs/coordination.md, "Bad input"): the body (413
+    # over it, checked while it streams in) and each prompt's fields (422).
     max_body_bytes: int = Field(default=32 << 20, ge=1)
     max_prompt_chars: int = Field(default=65_536, ge=1, description="~16k tokens of text")
     max_answer_chars: int = Field(default=4_096, ge=1)

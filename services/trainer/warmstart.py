@@ -5,6 +5,7 @@ GRPO group has zero variance. A short supervised pass on reference completions g
 *partial* accuracy (short additions right, long ones often wrong), which leaves RL visible room.
 
     python -m services.trainer.warmstart --out DIR [--steps N] [--seed S]
+    python -m services.trainer.warmstart --ensure CACHE_DIR   # the cached default model (the demo's)
 
 Deterministic: fixed seeds, fixed thread count, deterministic algorithms, fp32 training; the saved
 bf16 weights are byte-identical across runs on the same machine and torch build. The result is
@@ -56,7 +57,9 @@ class WarmstartRecipe(BaseModel):
     # 10 % each stayed at 0 % accuracy while costing a fifth of the SFT budget (docs/training.md).
     task_mix: dict[str, float] = Field(default_factory=lambda: {"addition": 1.0})
     # 3-6 digits: 32-63 token completions (so a KV budget of 16-32 bites) and ~0.4 s per SFT step.
-    task_options: dict[str, dict[str, int | str]] = Field(default_factory=lambda: {"addition": {"min_digits": 3, "max_digits": 6}})
+    task_options: dict[str, dict[str, int | str]] = Field(
+        default_factory=lambda: {"addition": {"min_digits": 3, "max_digits": 6}}  # type: ignore[arg-type]
+    )
     # Model: shared.modeling's "tiny" Qwen3 shape with the char vocab; `model_overrides` shrink it
     # further so SFT fits the two-minute CPU budget.
     shape: str = "tiny"
@@ -128,11 +131,12 @@ def _sft_batch(examples: list[tuple[str, str]], tokenizer: PreTrainedTokenizerFa
     label_ids = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])
     attention: torch.Tensor = (input_ids != pad).long()
     if local is not None and any(local):
-        q = torch.arange(width)[:, None]
-        k = torch.arange(width)[None, :]
-        prompt = torch.tensor(prompt_lengths)[:, None, None]
+        qpos = torch.arange(width)[:, None]
+        kpos = torch.arange(width)[None, :]
+        prompt_end = torch.tensor(prompt_lengths)[:, None, None]
         span = torch.tensor([window if flag else width for flag in local])[:, None, None]
-        allowed = (k <= q) & (attention.bool()[:, None, :] | (k == q)) & ((k < prompt) | (k > q - span))
+        allowed = ((kpos <= qpos) & (attention.bool()[:, None, :] | (kpos == qpos))
+                   & ((kpos < prompt_end) | (kpos > qpos - span)))
         attention = allowed[:, None]  # [B, 1, T, T]
     return {"input_ids": input_ids, "attention_mask": attention, "labels": label_ids}
 
@@ -264,7 +268,11 @@ def ensure_warmstart_model(cache_dir: str | Path, recipe: WarmstartRecipe | None
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True, help="model directory to write (HF format, bf16)")
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--out", help="model directory to write (HF format, bf16)")
+    target.add_argument("--ensure", metavar="CACHE_DIR",
+                        help="make sure CACHE_DIR holds the default recipe's model: prints 'TRAINING <steps>' "
+                             "when it must be built, then 'MODEL <path>' (what `sparsecast demo` reads)")
     defaults = WarmstartRecipe()
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--seed", type=int, default=defaults.seed)
@@ -274,6 +282,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-prompts", type=int, default=defaults.eval_prompts)
     parser.add_argument("--log-every", type=int, default=50)
     args = parser.parse_args(argv)
+    if args.ensure:
+        default, cache = WarmstartRecipe(), Path(args.ensure)
+        if not is_current(cache / f"warmstart-{default.fingerprint()[:16]}", default):
+            print("TRAINING", default.steps, flush=True)
+        print("MODEL", ensure_warmstart_model(cache), flush=True)
+        return
     recipe = WarmstartRecipe(steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
                              threads=args.threads, eval_prompts=args.eval_prompts)
     report = train_warmstart(recipe, args.out, log_every=args.log_every)

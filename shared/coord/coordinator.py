@@ -162,7 +162,7 @@ class Coordinator:
             return []
         entries = [(decode(e[0]), int(e[1]), e[2]) for e in reply[1]]
         if not entries and block_ms > 0:
-            fresh = await self._guarded(lambda: self.redis.xreadgroup(
+            fresh: Any = await self._guarded(lambda: self.redis.xreadgroup(
                 s.consumer_group, worker_id, {self.keys.prompts: ">"}, count=int(reply[2]), block=block_ms
             ))
             if fresh:
@@ -294,7 +294,7 @@ class Coordinator:
 
     async def dead_letters(self, count: int = 100) -> list[dict[str, str]]:
         """The oldest dead-letter entries, each with entry_id, group (raw payload), reason, ..."""
-        rows = await self.redis.xrange(self.keys.dead, count=count)
+        rows: Any = await self.redis.xrange(self.keys.dead, count=count)
         return [{decode(k): decode(v) for k, v in fields.items()} | {"id": decode(i)} for i, fields in rows]
 
     # ---- trajectories -------------------------------------------------------------------------
@@ -314,7 +314,8 @@ class Coordinator:
             raise
 
     async def _take_trajectories(self, max_count: int, min_version: int, block_ms: int) -> list[Trajectory]:
-        rows: list = []
+        rows: Any = []
+        reply: Any
         if self._trainer_backlog:
             reply = await self._guarded(lambda: self.redis.xreadgroup(
                 TRAINER_GROUP, TRAINER_GROUP, {self.keys.trajectories: "0"}, count=max_count

@@ -23,23 +23,14 @@ from typing import Literal
 import torch
 import zstandard
 
+from shared.dtypes import DTYPES
+
 from .errors import CorruptPatchError, FormatError, TensorMismatchError, UnknownTensorError
 from .fingerprint import fingerprint
-from .format import WIDTHS, PatchHeader, Stream, TensorEntry, write_patch
+from .format import WIDTHS, EncodedTensor, PatchHeader, Stream, TensorEntry, write_patch
 
 Encoding = Literal["auto", "values", "bitdelta"]
 ENCODINGS = ("values", "bitdelta")
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-}
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MAX_VARINT_BYTES = 9  # 9 * 7 = 63 bits: every non-negative int64
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a standard zstd frame (skippable frames use other magics)
@@ -179,21 +170,6 @@ def decompress(data: bytes | memoryview, raw_length: int, what: str) -> bytes:
     if len(out) != raw_length:
         raise CorruptPatchError(f"{what}: {len(out)} bytes decoded, header says {raw_length}")
     return out
-
-
-@dataclass
-class EncodedTensor:
-    """One tensor's streams, ready to be laid out by format.write_patch."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    encoding: str
-    count: int
-    index: bytes
-    index_raw_length: int
-    payload: bytes
-    payload_raw_length: int
 
 
 @dataclass

@@ -22,13 +22,10 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from math import prod
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .errors import CorruptPatchError, FormatError, TruncatedPatchError
 from .fingerprint import FINGERPRINT_PREFIX, chunk_checksum
-
-if TYPE_CHECKING:
-    from .codec import EncodedTensor
 
 MAGIC = b"SCPATCH\0"
 FORMAT_VERSION = 1
@@ -94,6 +91,21 @@ class PatchHeader:
         d["data_bytes"] = sum(c.length for c in self.chunks)
         d["format"] = "sparsecast-patch"
         return json.dumps(d, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+@dataclass
+class EncodedTensor:
+    """One tensor's streams (codec.entropy_code makes them), ready to be laid out by write_patch."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    encoding: str
+    count: int
+    index: bytes
+    index_raw_length: int
+    payload: bytes
+    payload_raw_length: int
 
 
 def write_patch(header: PatchHeader, encoded: Sequence[EncodedTensor]) -> bytes:

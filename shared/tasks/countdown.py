@@ -65,7 +65,7 @@ class CountdownTask(Task):
 
     def make_prompts(self, n: int, seed: int) -> list[tuple[str, str]]:
         rng = random.Random(seed)
-        out = []
+        out: list[tuple[str, str]] = []
         while len(out) < n:
             numbers = [rng.randint(1, self.max_value) for _ in range(rng.randint(self.min_numbers, self.max_numbers))]
             # Build the target by a random chain of steps, so every prompt is solvable.

@@ -22,7 +22,7 @@ from services.trainer.app import create_app as create_trainer
 from services.trainer.settings import TrainerSettings
 from shared.coord import Coordinator
 from shared.patch import extract_patch
-from shared.registry_client import RegistryClient
+from shared.registry.client import RegistryClient
 from shared.schemas import WorkerInfo
 from tests.conftest import REDIS_URL, free_port, serve_app
 

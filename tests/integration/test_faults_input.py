@@ -1,6 +1,6 @@
-"""Issue 13, rows 5-7 of its table (bad input never stalls or breaks a run), over real HTTP with a
-real Redis: oversized and unscorable prompts, malformed text, object keys and uploads, and
-anonymous plans that used to build merged patches."""
+"""Bad input never stalls or breaks a run, over real HTTP with a real Redis: oversized and
+unscorable prompts, malformed text, object keys and uploads, and anonymous plans that must not
+build merged patches (docs/coordination.md, "Bad input")."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from services.trainer.app import create_app as create_trainer
 from services.trainer.settings import TrainerSettings
 from shared.coord import CoordSettings
 from shared.patch import extract_patch, save_snapshot
-from shared.registry_client import RegistryClient
+from shared.registry.client import RegistryClient
 from tests.conftest import REDIS_URL, serve_app
 from tests.integration.registry_helpers import TOKEN, make_chain, tiny_state
 from tests.integration.test_trainer_service import wait_ready

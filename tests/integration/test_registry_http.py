@@ -14,7 +14,9 @@ import redis
 from services.registry.app import create_app
 from services.registry.settings import RegistrySettings
 from shared.patch import extract_patch, fingerprint
-from shared.registry_client import RegistryClient, SyncError
+from shared.registry.client import RegistryClient
+from shared.registry.errors import SyncError
+from shared.registry.sync import sync_weights
 from tests.conftest import serve_app
 from tests.integration.registry_helpers import TOKEN, Chain, clone, make_chain, same, step
 
@@ -67,18 +69,18 @@ async def test_round_trip(url: str, chain: Chain, tmp_path: Path) -> None:
         assert sorted(p.name for p in files) == ["config.json", "tokenizer.json"]
         assert json.loads((tmp_path / "model" / "config.json").read_text()) == {"hidden_size": 128}
         fresh: dict = {}
-        result = await client.sync_to(fresh, None)
+        result = await sync_weights(client, fresh, None)
         assert (result.version, result.path) == (6, "snapshot") and same(fresh, chain.states[6])
 
         # A lagging worker gets one merged patch, applied in place; one step behind, the chain.
         state = clone(chain.states[1])
         live = state["model.norm.weight"]
-        result = await client.sync_to(state, 1)
+        result = await sync_weights(client, state, 1)
         assert result.path == "merged" and result.bytes < sum(len(chain.patches[v]) for v in range(2, 7))
         assert same(state, chain.states[6]) and state["model.norm.weight"] is live
         state = clone(chain.states[3])
-        assert (await client.sync_to(state, 3, target=4)).path == "chain" and same(state, chain.states[4])
-        assert (await client.sync_to(state, 4, target=4)).path == "none"
+        assert (await sync_weights(client, state, 3, 4)).path == "chain" and same(state, chain.states[4])
+        assert (await sync_weights(client, state, 4, 4)).path == "none"
 
     async with httpx.AsyncClient(base_url=url) as http:
         key = "patches/0-1.patch"
@@ -150,7 +152,7 @@ async def test_corrupt_object_is_detected_and_snapshot_recovers(tmp_path: Path, 
             data[len(data) // 2] ^= 0xFF
             path.write_bytes(bytes(data))
             state = clone(chain.states[1])
-            result = await client.sync_to(state, 1)  # merging 1→3 fails on the corrupt input: chain
+            result = await sync_weights(client, state, 1)  # merging 1→3 fails on the corrupt input: chain
             assert result.fell_back and result.path == "snapshot" and result.version == 3
             assert same(state, chain.states[3])
             # An object lost from storage on every path: the sync fails, the weights stay at 3.
@@ -158,7 +160,7 @@ async def test_corrupt_object_is_detected_and_snapshot_recovers(tmp_path: Path, 
                 await client.publish_patch(v, chain.patches[v])
             (tmp_path / "store" / RUN / "patches" / "4-5.patch").unlink()
             with pytest.raises(SyncError) as failure:
-                await client.sync_to(state, 3)
+                await sync_weights(client, state, 3)
             assert failure.value.version == 3 and same(state, chain.states[3])
 
 
@@ -177,7 +179,7 @@ async def test_concurrent_publish_and_reads(url: str, chain: Chain) -> None:
                 version: int | None = start if start >= 0 else None
                 seen = []
                 while version != 8:
-                    result = await own.sync_to(state, version)
+                    result = await sync_weights(own, state, version)
                     version = result.version
                     assert same(state, chain.states[version])
                     seen.append(version)
@@ -214,7 +216,7 @@ async def test_client_resumes_from_verified_pieces(url: str, chain: Chain, tmp_p
     cache = tmp_path / "cache"
     # ~1.3 s at 1 Mbit/s: cancelled part-way, the verified pieces stay in the cache.
     async with RegistryClient(url, RUN, streams=2, bandwidth_bps=1e6, cache_dir=cache) as slow:
-        task = asyncio.create_task(slow.sync_to({}, None))
+        task = asyncio.create_task(sync_weights(slow, {}, None))
         await asyncio.sleep(0.6)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -223,7 +225,7 @@ async def test_client_resumes_from_verified_pieces(url: str, chain: Chain, tmp_p
     assert 0 < first < size and list((cache / RUN).iterdir())
     async with RegistryClient(url, RUN, streams=2, cache_dir=cache) as again:
         state: dict = {}
-        result = await again.sync_to(state, None)
+        result = await sync_weights(again, state, None)
         assert again.counters.resumed_pieces > 0 and result.bytes < size
         assert same(state, chain.states[0])
     assert not list((cache / RUN).iterdir())  # finished downloads leave no part files

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.registry_client import RegistryClient
+from shared.registry.client import RegistryClient
+from shared.registry.sync import sync_weights
 from tests.conftest import free_port
 from tests.integration.registry_helpers import TOKEN, make_chain, same, start_registry, stop
 
@@ -32,7 +33,7 @@ async def test_download_survives_a_registry_restart(tmp_path: Path) -> None:
         async with RegistryClient(url, RUN, streams=2, bandwidth_bps=1e6, retries=300, max_backoff_s=1.0) as client:
             total = (await client.plan(None)).total_bytes
             state: dict = {}
-            task = asyncio.create_task(client.sync_to(state, None))
+            task = asyncio.create_task(sync_weights(client, state, None))
             while client.counters.bytes < total * 0.3:
                 assert not task.done()
                 await asyncio.sleep(0.02)

@@ -11,7 +11,8 @@ from moto.server import ThreadedMotoServer
 
 from services.registry.app import create_app
 from services.registry.settings import RegistrySettings
-from shared.registry_client import RegistryClient
+from shared.registry.client import RegistryClient
+from shared.registry.sync import sync_weights
 from tests.conftest import free_port, serve_app
 from tests.integration.registry_helpers import TOKEN, clone, make_chain, same
 
@@ -49,7 +50,7 @@ async def test_s3_round_trip_retention_and_restart(s3_endpoint: str) -> None:
             for v in range(1, 5):
                 await client.publish_patch(v, chain.patches[v], {"step": v})
             state = clone(chain.states[1])
-            result = await client.sync_to(state, 1)
+            result = await sync_weights(client, state, 1)
             assert result.path == "merged" and same(state, chain.states[4])
             # A second snapshot with keep_snapshots=1 retires everything below version 4.
             await client.publish_snapshot(4, chain.snapshot(4))
@@ -66,4 +67,4 @@ async def test_s3_round_trip_retention_and_restart(s3_endpoint: str) -> None:
             assert (await client.latest()).version == 4
             await client.publish_patch(5, chain.patches[5])
             fresh: dict = {}
-            assert (await client.sync_to(fresh, None)).version == 5 and same(fresh, chain.states[5])
+            assert (await sync_weights(client, fresh, None)).version == 5 and same(fresh, chain.states[5])

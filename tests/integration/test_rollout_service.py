@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import httpx
 import pytest
 
@@ -20,8 +23,28 @@ def rollout_url(tiny_model_dir: str):
         yield url
 
 
+def _kv_stats(prompt_len: int, max_tokens: int, budget: int, buffer: int, sparse: bool) -> tuple[int, int]:
+    """(peak tokens stored, tokens evicted) of a sequence run to max_tokens with the prompt kept:
+    every sampled token but the last is fed back and stored; a sparse policy compresses the
+    generated tokens back to `budget` whenever they reach budget + buffer."""
+    stored = peak = evicted = 0
+    for _ in range(max_tokens - 1):
+        stored += 1
+        peak = max(peak, stored)
+        if sparse and stored >= budget + buffer:
+            evicted, stored = evicted + stored - budget, budget
+    return prompt_len + peak, evicted
+
+
+def _bytes_per_token(model_dir: str) -> int:
+    """K and V bytes of one token over all layers and KV heads (bf16)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2
+
+
 @pytest.mark.parametrize("policy", POLICIES)
-def test_generate_with_every_policy(rollout_url: str, policy: str) -> None:
+def test_generate_with_every_policy(rollout_url: str, tiny_model_dir: str, policy: str) -> None:
     body = {"prompts": ["12+34=", "7+8="], "n": 2, "max_tokens": 40, "temperature": 1.0, "seed": 3,
             "kv_policy": policy, "kv_budget": 12, "kv": {"buffer": 4}, "stop_token_ids": []}
     r = httpx.post(f"{rollout_url}/v1/generate", json=body, timeout=60)
@@ -29,14 +52,16 @@ def test_generate_with_every_policy(rollout_url: str, policy: str) -> None:
     out = r.json()
     assert out["kv_policy"] == policy and out["engine"] == "native"
     assert [c["prompt_index"] for c in out["completions"]] == [0, 0, 1, 1]
+    per_token = _bytes_per_token(tiny_model_dir)
     for c in out["completions"]:
         assert len(c["token_ids"]) == 40 == len(c["logprobs"])  # no stop tokens: runs to max_tokens
         assert c["finish_reason"] == "length"
         assert all(lp <= 0 for lp in c["logprobs"])
-        if policy != "dense":
-            # Prompt kept + at most budget + buffer generated tokens stored, the rest evicted.
-            assert c["kv"]["evicted"] > 0
-            assert c["kv"]["peak_tokens"] <= 12 + 4 + 8
+        # The character tokenizer: one token per character, plus BOS.
+        prompt_len = len(body["prompts"][c["prompt_index"]]) + 1
+        # Prompt kept; a sparse policy stores at most budget + buffer generated tokens, the rest evicted.
+        peak, evicted = _kv_stats(prompt_len, 40, budget=12, buffer=4, sparse=policy != "dense")
+        assert c["kv"] == {"peak_tokens": peak, "peak_bytes": peak * per_token, "evicted": evicted}
 
 
 def test_generate_is_reproducible_with_a_seed(rollout_url: str) -> None:
@@ -54,9 +79,14 @@ def test_openai_client_completion(rollout_url: str) -> None:
                                       n=2, logprobs=1)
     assert len(resp.choices) == 2
     assert resp.choices[0].text == resp.choices[1].text  # greedy
-    assert resp.usage.completion_tokens > 0
     lp = resp.choices[0].logprobs
     assert lp is not None and len(lp.tokens) == len(lp.token_logprobs)
+    assert "".join(lp.tokens) == resp.choices[0].text
+    assert all(x <= 0 for x in lp.token_logprobs)
+    assert resp.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in resp.choices)
+    assert resp.usage.prompt_tokens == 2 * len("3+4=") + 2  # both samples' prompt with its BOS
+    for choice in resp.choices:
+        assert choice.finish_reason == "stop" or len(choice.logprobs.tokens) == 8
 
 
 def test_openai_stop_string_truncates(rollout_url: str) -> None:

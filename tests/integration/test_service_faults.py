@@ -23,7 +23,7 @@ from services.trainer.app import create_app as create_trainer
 from services.trainer.settings import TrainerSettings
 from shared.coord import Coordinator, CoordSettings
 from shared.patch import save_snapshot
-from shared.registry_client import MODEL_FILES
+from shared.registry.wire import MODEL_FILES
 from shared.schemas import PromptGroup
 from tests.conftest import build_tiny_model_dir, free_port, serve_app
 from tests.integration.fault_stack import AUTH, PREFIX, TOKEN, Stack, get, metric, wait_for

@@ -20,7 +20,8 @@ from services.registry.app import create_app as create_registry
 from services.registry.settings import RegistrySettings
 from shared.coord import Coordinator, CoordSettings, connect
 from shared.patch import fingerprint
-from shared.registry_client import RegistryClient
+from shared.registry.client import RegistryClient
+from shared.registry.sync import sync_weights
 from shared.schemas import KVStats, Sample, SamplingInfo, Trajectory, WorkerInfo
 from tests.conftest import free_port, serve_app
 
@@ -77,8 +78,8 @@ async def answer_prompts(redis_url: str, prefix: str, run: str, vocab: int, unti
 async def sync_from_scratch(registry_url: str, run: str) -> tuple[dict, int, str, str]:
     async with RegistryClient(registry_url, run, token=TOKEN) as client:
         state: dict = {}
-        await client.sync_to(state, None, 0)  # the v0 snapshot
-        result = await client.sync_to(state, 0)  # then every patch
+        await sync_weights(client, state, None, 0)  # the v0 snapshot
+        result = await sync_weights(client, state, 0)  # then every patch
         latest = await client.latest()
         assert latest is not None
         return state, result.version, result.path, latest.fingerprint

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from shared.coord import CoordSettings, claim_size, is_lagging
+from shared.coord import CoordSettings, StallMeter, claim_size, effective_rate, is_lagging
 from shared.schemas import WorkerInfo
 
 SETTINGS = CoordSettings(base_claim=4, min_claim=1, max_claim=10, staleness_bound=1)
@@ -48,3 +48,28 @@ def test_settings_reject_inconsistent_claim_bounds() -> None:
     with pytest.raises(ValidationError, match="min_claim"):
         CoordSettings(min_claim=8, base_claim=4)
     assert CoordSettings(lease_ttl_s=0.25).lease_ttl_ms == 250
+
+
+def test_claim_share_follows_sync_stall() -> None:
+    """Same GPU speed, but one worker waits on weight sync half the time (a slow link): it gets
+    about half the share of the other."""
+    fast = worker("fast", 200)
+    slow = WorkerInfo(worker_id="slow", tokens_per_s=200, weight_version=7, sync_stall=0.5)
+    fleet = [fast, slow]
+    assert [claim_size(w, fleet, 7, SETTINGS) for w in fleet] == [5, 3]
+    assert effective_rate(slow) == 100
+    stalled = WorkerInfo(worker_id="x", tokens_per_s=200, weight_version=7, sync_stall=1.0)
+    assert claim_size(stalled, [stalled], 7, SETTINGS) == SETTINGS.base_claim  # nobody to compare with
+    with pytest.raises(ValidationError):
+        WorkerInfo(worker_id="bad", sync_stall=1.5)
+
+
+def test_stall_meter_is_a_decayed_share_of_wall_time() -> None:
+    now = [0.0]
+    meter = StallMeter(tau_s=100.0, clock=lambda: now[0])
+    assert meter.share() == 0.0
+    now[0] = 10.0
+    meter.add(2.0)  # 2 of the last 10 s were spent applying weights
+    assert meter.share() == pytest.approx(0.2, rel=0.06)
+    now[0] = 510.0  # long quiet: the stall fades away
+    assert meter.share() < 0.01

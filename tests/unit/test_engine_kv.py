@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
+from services.rollout.engine.attention import CacheAttention
 from services.rollout.engine.kv_cache import KVCache, cache_capacity
 from services.rollout.engine.policies import key_redundancy
 from tests.unit.engine_helpers import one_thread, tiny_config
@@ -23,22 +24,23 @@ def _drive(kv: KVConfig, prompt_lengths: list[int], steps: int, seed: int = 0,
     cache = KVCache(num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
                     prompt_lengths=prompt_lengths, capacity=cache_capacity(prompt_lengths, steps, kv), kv=kv,
                     dtype=torch.float32, device=torch.device("cpu"))
-    cache.begin_prefill(width)
+    attention = CacheAttention(cache)
+    attention.begin_prefill(width)
     for layer in range(LAYERS):
         q = torch.randn(batch, HEADS, width, DIM, generator=gen)
         k, v = torch.randn(2, batch, KV_HEADS, width, DIM, generator=gen)
-        cache.prefill(layer, q, k, v)
+        attention.prefill(layer, q, k, v)
     if cache.needs_compression():
         cache.compress()
     positions = torch.tensor(prompt_lengths)
     for step in range(steps):
-        cache.begin_decode(positions)
+        attention.begin_decode(positions)
         for layer in range(LAYERS):
             q = torch.randn(batch, HEADS, 1, DIM, generator=gen)
             k = torch.randn(batch, KV_HEADS, 1, DIM, generator=gen) if keys is None else keys[step].expand(
                 batch, KV_HEADS, 1, DIM)
-            cache.decode(layer, q, k, torch.randn(batch, KV_HEADS, 1, DIM, generator=gen))
-        cache.end_decode()
+            attention.decode(layer, q, k, torch.randn(batch, KV_HEADS, 1, DIM, generator=gen))
+        attention.end_decode()
         positions = positions + 1
         assert max(cache.lengths) <= cache.capacity
         if cache.needs_compression():

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from shared.registry_client import TokenBucket
+from shared.registry.download import TokenBucket
 
 
 class FakeTime:

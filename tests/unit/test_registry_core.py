@@ -4,20 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from services.registry.core import (
-    MAX_MODEL_FILE_BYTES,
-    BadRange,
-    Conflict,
-    Invalid,
-    NotFound,
-    Registry,
-    RegistryError,
-    TooLarge,
-    UploadCheck,
-    parse_range,
-    piece_hashes,
-)
+from services.registry.core import Registry
+from services.registry.errors import BadRange, Conflict, Invalid, NotFound, RegistryError, TooLarge
+from services.registry.ranges import parse_range
+from services.registry.runs import piece_hashes
 from services.registry.settings import RegistrySettings
+from services.registry.uploads import MAX_MODEL_FILE_BYTES, UploadCheck
 from shared.patch import apply_patch, extract_patch, fingerprint, load_snapshot
 from shared.storage import ObjectStorage
 from tests.integration.registry_helpers import Chain, clone, make_chain, same, step

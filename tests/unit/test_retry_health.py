@@ -10,7 +10,7 @@ import pytest
 from redis import exceptions as redis_errors
 
 from shared.health import Liveness
-from shared.registry_client import RegistryHTTPError
+from shared.registry.errors import RegistryHTTPError
 from shared.retry import Outage, transient
 
 

@@ -14,9 +14,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from shared.kv import DEFAULT_KV_BUDGET, DEFAULT_KV_BUFFER, Policy
 from shared.schemas import KVStats
 
-Policy = Literal["dense", "streaming", "snapkv", "h2o", "rkv"]
 FinishReason = Literal["stop", "length"]
 
 
@@ -37,10 +37,10 @@ class KVConfig(BaseModel):
     policy: Policy = "dense"
     # Tokens kept after each compression. With keep_prompt (default) the prompt is never evicted
     # and the budget counts generated tokens only; otherwise it counts every stored token.
-    budget: int = Field(default=512, ge=1)
+    budget: int = Field(default=DEFAULT_KV_BUDGET, ge=1)
     # Re-compression interval: a sequence stores up to budget + buffer evictable tokens, then is
     # compressed back to budget (R-KV, Sparse-RL: every 128 decode steps).
-    buffer: int = Field(default=128, ge=1)
+    buffer: int = Field(default=DEFAULT_KV_BUFFER, ge=1)
     keep_prompt: bool = True
     window: int = Field(default=8, ge=1, description="observation window: recent queries that score, recent keys always kept")
     kernel: int = Field(default=7, ge=1, description="max/avg pooling kernel over importance (odd)")

@@ -8,20 +8,12 @@ but per-head policies keep different tokens in each head. Compression gathers th
 each (row, head) to the front, one layer at a time, so the extra memory it needs is one layer's
 worth and the batch's KV memory never depends on the generated length.
 
-Decode attention runs over the slots in use: torch SDPA (each KV head's query heads batched as its
-queries, no K/V repeat), or, for H2O, grouped-query matmuls whose softmax weights it accumulates.
-When every row stores the same number of tokens (equal prompts: a GRPO group, a benchmark) no mask
-is needed and SDPA can take its fastest (flash) kernel; otherwise one additive mask per step, over
-a span rounded up to `span_bucket` slots on CUDA so attention sees few distinct shapes (kernels
-that plan or allocate per shape do it a handful of times per batch, not every step).
+Attention over the cache (writing new keys and values, attending) is attention.CacheAttention's.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 
 from services.rollout.engine.config import KVConfig
 from services.rollout.engine.policies import EvictionPolicy, make_policy
@@ -36,7 +28,6 @@ class KVCache:
         self.policy: EvictionPolicy = make_policy(kv)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
-        self.scale = 1.0 / math.sqrt(head_dim)
         self.capacity = capacity
         self.device = device
         self.span_bucket = span_bucket or (128 if device.type == "cuda" else 1)
@@ -74,85 +65,9 @@ class KVCache:
         """Bytes allocated for K and V (the batch's KV memory)."""
         return 2 * self.k.numel() * self.k.element_size()
 
-    # ------------------------------------------------------------------ prefill
-    def begin_prefill(self, width: int) -> None:
-        lengths = torch.tensor(self.prompt_lengths, device=self.device)
-        slots = torch.arange(width, device=self.device)
-        key_ok = slots[None, :] < lengths[:, None]
-        causal = slots[None, :] <= slots[:, None]
-        self._prefill_mask = (causal[None] & key_ok[:, None, :]).unsqueeze(1)  # [B, 1, T, T]
-        self.positions[:, :, :, :width] = slots.to(torch.int32)
-        self._prefill_lengths = lengths
-        self.lengths = list(self.prompt_lengths)
-        self.lengths_t = lengths.clone()
-
-    def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """AttendFn for the padded prompt batch: q [B, Hq, T, D], k/v [B, Hkv, T, D]."""
-        width = q.shape[2]
-        self.k[layer, :, :, :width] = k
-        self.v[layer, :, :, :width] = v
-        if self.q_window is not None:
-            w = self.kv.window
-            idx = (self._prefill_lengths[:, None] - w + torch.arange(w, device=self.device)).clamp(min=0)
-            self.q_window[layer] = q.gather(2, idx[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3]))
-        if self.attn_acc is not None and not self.kv.keep_prompt:
-            # H2O over a compressible prompt: attention each prompt key received from the prompt.
-            probs = self.grouped_probs(q, k, self._prefill_mask[:, :, None])  # [B, Hkv, G, T, T]
-            query_ok = self._prefill_mask[:, 0].diagonal(dim1=-2, dim2=-1)  # [B, T]: t < prompt length
-            rows_ok = query_ok[:, None, None, :, None]  # padded queries add nothing
-            self.attn_acc[layer, :, :, :width] = (probs * rows_ok).sum(dim=3).mean(dim=2)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self._prefill_mask, enable_gqa=True)
-
-    # ------------------------------------------------------------------ decode
-    def begin_decode(self, positions: torch.Tensor) -> None:
-        """Prepare one decode step; positions [B] are the logical positions of the new tokens."""
-        longest, shortest = max(self.lengths), min(self.lengths)
-        # Rows in lockstep write the same slot: plain slicing instead of an index_put per layer.
-        self._slot: int | None = longest if longest == shortest else None
-        self._rows = torch.arange(self.batch, device=self.device)
-        self._slots = self.lengths_t
-        if self._slot is not None and self.attn_acc is None:
-            self._span, self._decode_mask, self._bias = longest + 1, None, None
-        else:
-            bucket = self.span_bucket
-            self._span = min(self.capacity, -(-(longest + 1) // bucket) * bucket)
-            slot = torch.arange(self._span, device=self.device)
-            self._decode_mask = (slot[None, :] <= self._slots[:, None])[:, None, None, :]  # [B, 1, 1, S]
-            # SDPA would turn a bool mask into this additive one in every layer; do it once per step.
-            self._bias = (torch.zeros(self._decode_mask.shape, dtype=self.k.dtype, device=self.device)
-                          .masked_fill_(~self._decode_mask, float("-inf")) if self.attn_acc is None else None)
-        if self._slot is not None:
-            self.positions[:, :, :, self._slot] = positions.to(torch.int32)[None, :, None]
-        else:
-            self.positions[:, self._rows, :, self._slots] = positions.to(torch.int32)[:, None, None]
-
-    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """AttendFn for one new token per row: q [B, Hq, 1, D], k/v [B, Hkv, 1, D]."""
-        b = q.shape[0]
-        if self._slot is not None:
-            self.k[layer, :, :, self._slot] = k[:, :, 0]
-            self.v[layer, :, :, self._slot] = v[:, :, 0]
-        else:
-            self.k[layer, self._rows, :, self._slots] = k[:, :, 0]
-            self.v[layer, self._rows, :, self._slots] = v[:, :, 0]
-        if self.q_window is not None:
-            self.q_window[layer, :, :, self.q_next] = q[:, :, 0]
-        keys = self.k[layer, :, :, : self._span]
-        values = self.v[layer, :, :, : self._span]
-        if self.attn_acc is None:
-            # Fused kernel when no policy needs the weights. The G query heads of a KV head act as G
-            # queries of that head, so no GQA support or K/V repeat is needed from the kernel.
-            qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)
-            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self._bias)
-            # reshape, not view: CUDA's memory-efficient kernel returns [B, Hkv, G, D] with the G
-            # queries outermost in memory (fp32 on an H200), which no view can merge into Hq.
-            return out.reshape(b, self.num_heads, 1, self.head_dim)
-        probs = self.grouped_probs(q, keys, self._decode_mask[:, :, None])  # [B, Hkv, G, 1, S]
-        self.attn_acc[layer, :, :, : self._span] += probs[:, :, :, 0].mean(dim=2)
-        out = torch.matmul(probs.to(values.dtype), values[:, :, None])  # [B, Hkv, G, 1, D]
-        return out.view(b, self.num_heads, 1, self.head_dim)
-
-    def end_decode(self) -> None:
+    # ------------------------------------------------------------------ bookkeeping
+    def advance(self) -> None:
+        """One decode step was stored in every row (attention.CacheAttention wrote it)."""
         self.lengths = [n + 1 for n in self.lengths]
         self.lengths_t = self.lengths_t + 1
         if self.q_window is not None:
@@ -162,17 +77,6 @@ class KVCache:
         """The last `window` queries of a layer, oldest first: [B, Hq, W, D]."""
         assert self.q_window is not None
         return self.q_window[layer].roll(-self.q_next, dims=2) if self.q_next else self.q_window[layer]
-
-    def grouped_probs(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Softmax attention of q [B, Hq, T, D] over keys [B, Hkv, S, D] -> fp32 [B, Hkv, G, T, S].
-
-        Query head h reads KV head h // group, as transformers' repeat_kv does.
-        """
-        b, _, t, d = q.shape
-        qg = q.view(b, self.num_kv_heads, self.group, t, d)
-        scores = torch.matmul(qg, keys[:, :, None].transpose(-1, -2)) * self.scale
-        scores = scores.masked_fill(~mask, float("-inf"))
-        return torch.softmax(scores, dim=-1, dtype=torch.float32)
 
     # ------------------------------------------------------------------ eviction
     def needs_compression(self) -> bool:

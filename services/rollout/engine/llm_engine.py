@@ -17,6 +17,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import PretrainedConfig
 
+from services.rollout.engine.attention import CacheAttention
 from services.rollout.engine.config import GenerationOutput, KVConfig, SamplingParams, check_token_ids
 from services.rollout.engine.kv_cache import KVCache, cache_capacity
 from services.rollout.engine.sampler import sample
@@ -90,8 +91,9 @@ class LLMEngine:
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p)
         ids = ids.to(dev)
-        cache.begin_prefill(width)
-        hidden = model(ids, torch.arange(width, device=dev).expand(batch, width), cache.prefill)
+        attention = CacheAttention(cache)
+        attention.begin_prefill(width)
+        hidden = model(ids, torch.arange(width, device=dev).expand(batch, width), attention.prefill)
         lengths_t = torch.tensor(lengths, device=dev)
         logits = model.logits(hidden[torch.arange(batch, device=dev), lengths_t - 1])
         for s in seqs:
@@ -125,9 +127,9 @@ class LLMEngine:
                     index = torch.tensor(live, device=dev)
                     rows, rows_t = [rows[r] for r in live], rows_t.index_select(0, index)
                     tokens, positions = tokens.index_select(0, index), positions.index_select(0, index)
-            cache.begin_decode(positions)
-            hidden = model(tokens[:, None], positions[:, None], cache.decode)
-            cache.end_decode()
+            attention.begin_decode(positions)
+            hidden = model(tokens[:, None], positions[:, None], attention.decode)
+            attention.end_decode()
             positions = positions + 1
             for s, n in zip(rows, cache.lengths, strict=True):
                 if not s.finished:

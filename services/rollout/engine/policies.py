@@ -14,15 +14,25 @@ Sources (docs/engine.md has the formulas):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from services.rollout.engine.attention_weights import grouped_probs
 from services.rollout.engine.config import KVConfig
 
-if TYPE_CHECKING:
-    from services.rollout.engine.kv_cache import KVCache
+
+class KVCache(Protocol):
+    """What a policy reads of the cache (kv_cache.KVCache has it); no import of the cache, which
+    imports the policies."""
+
+    k: torch.Tensor
+    positions: torch.Tensor
+    lengths_t: torch.Tensor
+    attn_acc: torch.Tensor | None
+
+    def window_queries(self, layer: int) -> torch.Tensor: ...
 
 # Bound on the [rows, heads, S, S] similarity tensor R-KV builds per step of its batch loop.
 _SIMILARITY_BYTES = 256 << 20
@@ -102,7 +112,7 @@ def window_attention(cache: KVCache, layer: int, span: int) -> torch.Tensor:
     # Window query j is the token at slot lengths - w + j.
     last_visible = lengths - w + torch.arange(w, device=q.device)[None]  # [B, W]
     mask = slot[None, None, :] <= last_visible[:, :, None]  # [B, W, S]
-    probs = cache.grouped_probs(q, keys, mask[:, None, None])  # [B, Hkv, G, W, S]
+    probs = grouped_probs(q, keys, mask[:, None, None])  # [B, Hkv, G, W, S]
     probs = probs.nan_to_num(0.0)  # a query with no visible key (prompt shorter than the window)
     scores = probs.mean(dim=(2, 3))
     return scores.masked_fill((slot[None] >= lengths - w)[:, None], 0.0)

@@ -49,6 +49,8 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for logical positions; inv_freq from transformers' RoPE init functions."""
 
+    inv_freq: torch.Tensor  # a buffer (register_buffer): fp32 whatever the model's dtype
+
     def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
         super().__init__()
         params = getattr(config, "rope_parameters", None) or {}
@@ -64,10 +66,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.scaling = float(scaling)
 
-    def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
+    def _apply(self, fn, recurse: bool = True):
         # Module.to(bf16) would round inv_freq and shift every rotation angle; transformers'
         # from_pretrained keeps it fp32, so only move it, never cast it.
-        inv_freq = self.inv_freq
+        inv_freq: torch.Tensor = self.inv_freq
         super()._apply(fn, recurse)
         if not inv_freq.is_meta:
             self.inv_freq = inv_freq.to(self.inv_freq.device)

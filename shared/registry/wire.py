@@ -1,0 +1,69 @@
+"""The registry's wire types (its JSON) and constants, shared by the server and its client."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+# The config and tokenizer files a run carries beside its weights (a worker needs nothing else).
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
+# Request header of a patch upload: the trainer's step metrics as JSON, kept in the manifest.
+METRICS_HEADER = "X-Sparsecast-Metrics"
+
+
+class ObjectRef(BaseModel):
+    """A stored object of a run, with the sha256 of each `piece_bytes` piece for verification."""
+
+    key: str  # relative to the run: "patches/3-4.patch", "snapshots/0.safetensors", "merged/2-6.patch"
+    size: int
+    piece_bytes: int
+    pieces: list[str]
+
+
+class Manifest(BaseModel):
+    run: str
+    version: int
+    fingerprint: str  # of the weights at this version
+    base_version: int | None = None  # None for a first snapshot
+    base_fingerprint: str | None = None
+    patch: ObjectRef | None = None  # base_version → version
+    snapshot: ObjectRef | None = None
+    dense_bytes: int  # bytes of the full weights
+    changed: int | None = None  # elements the patch changes
+    created_at: float
+    metrics: dict[str, Any] = {}
+
+    @property
+    def payload_ratio(self) -> float | None:
+        """Dense bytes per patch byte (how much smaller than a full sync)."""
+        return self.dense_bytes / self.patch.size if self.patch else None
+
+
+class PlanStep(BaseModel):
+    kind: Literal["snapshot", "patch"]
+    object: ObjectRef
+    base_version: int | None  # None for a snapshot
+    target_version: int
+    fingerprint: str  # weights after this step
+
+
+PlanKind = Literal["none", "merged", "chain", "snapshot"]
+
+
+class Plan(BaseModel):
+    run: str
+    from_version: int | None
+    to_version: int
+    kind: PlanKind
+    fingerprint: str
+    total_bytes: int
+    steps: list[PlanStep]
+    lease_s: float  # the registry keeps the plan's objects at least this long
+    peers: dict[str, list[str]] = {}  # object key → peers serving it (shared.relay), best first

@@ -1,0 +1,78 @@
+"""The registry's peer directory (relay fan-out): who is listed for an object, and for how long."""
+
+from __future__ import annotations
+
+from services.registry.peers import PeerDirectory
+
+KEY = "patches/3-4.patch"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_first_asker_gets_no_peer_and_nobody_gets_itself() -> None:
+    peers = PeerDirectory(max_listed=3)
+    assert peers.announce("r", "a", "http://a", [KEY]) == {KEY: []}
+    assert peers.announce("r", "b", "http://b", [KEY]) == {KEY: ["http://a"]}
+    # Announcing again (a refresh) never lists the worker itself.
+    assert "http://b" not in peers.announce("r", "b", "http://b", [KEY])[KEY]
+    assert peers.holders("r", KEY, exclude="a") == ["http://b"]
+
+
+def test_serving_is_spread_over_peers_least_listed_first() -> None:
+    peers = PeerDirectory(max_listed=1)
+    listed = [peers.announce("r", w, f"http://{w}", [KEY])[KEY] for w in "abcdefgh"]
+    assert listed[0] == []
+    served = [urls[0] for urls in listed[1:]]
+    # With one peer listed per asker, no peer is handed out more than twice to 7 askers.
+    assert max(served.count(u) for u in set(served)) <= 2
+    assert len(set(served)) >= 4
+
+
+def test_only_holders_of_the_object_are_listed() -> None:
+    """A peer behind on versions holds older objects only: it is not listed for the new one."""
+    peers = PeerDirectory()
+    peers.announce("r", "old", "http://old", ["patches/2-3.patch"])
+    assert peers.announce("r", "new", "http://new", [KEY]) == {KEY: []}
+    assert peers.holders("r", "patches/2-3.patch") == ["http://old"]
+    assert peers.holders("other-run", KEY) == []
+
+
+def test_announcements_expire_and_leave_removes() -> None:
+    clock = Clock()
+    peers = PeerDirectory(ttl_s=10, clock=clock)
+    peers.announce("r", "a", "http://a", [KEY])
+    clock.now = 5
+    peers.announce("r", "b", "http://b", [KEY])
+    clock.now = 12  # a went silent more than ttl_s ago (dead); b announced 7 s ago
+    assert peers.holders("r", KEY) == ["http://b"]
+    assert peers.leave("r", "b") and not peers.leave("r", "b")
+    assert peers.holders("r", KEY) == []
+
+
+def test_rollout_relay_settings_and_route() -> None:
+    """A rollout worker with relay on needs the addresses peers and the registry use, and serves
+    the peer endpoint (nothing held yet: 404)."""
+    import pytest
+    from fastapi.testclient import TestClient
+    from pydantic import ValidationError
+
+    from services.rollout.app import create_app
+    from services.rollout.settings import RolloutSettings
+
+    with pytest.raises(ValidationError, match="relay needs"):
+        RolloutSettings(relay=True, registry_url="http://r:8100")
+    settings = RolloutSettings(relay=True, registry_url="http://r:8100", advertise_url="http://w:8200",
+                               registry_token="t")
+    http = TestClient(create_app(settings))  # no lifespan: no model, only the routes
+    answer = http.get("/v1/relay/run1/piece", params={"key": "patches/0-1.patch", "index": 0})
+    assert answer.status_code == 404 and "not held" in answer.json()["detail"]
+    assert http.get("/v1/relay/run1/piece", params={"key": "k", "index": "x"}).status_code == 422
+    plain = TestClient(create_app(RolloutSettings()))
+    missing = plain.get("/v1/relay/run1/piece", params={"key": "k", "index": 0})
+    assert missing.status_code == 404 and "not held" not in missing.text  # no relay route at all
