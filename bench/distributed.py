@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
-from services.trainer.learner import make_learner
+from services.trainer.distributed import make_learner
 from services.trainer.settings import TrainerSettings
 from shared.modeling import qwen3_config
 from shared.patch import apply_patch, extract_patch, fingerprint, read_header

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from services.trainer.learner import Captured, make_learner
+from services.trainer.distributed import make_learner
+from services.trainer.learner import Captured
 from services.trainer.ledger import GroupLedger
 from services.trainer.settings import TrainerSettings
 from shared.agreement import sampling_mismatch

@@ -392,27 +392,11 @@ _COMMANDS: dict[str, Any] = {
 }
 
 
-def prepare_model(settings: TrainerSettings) -> Path:
-    """The model directory, made by rank 0 first when it must be (the tiny-demo warm start), then
-    by the others from its cache (on one node; several nodes need a model directory they all see)."""
-    from services.trainer.core import resolve_model_dir
-
-    if dist.get_rank() == 0:
-        path = resolve_model_dir(settings)
-        dist.barrier(group=control_group())
-    else:
-        dist.barrier(group=control_group())
-        path = resolve_model_dir(settings)
-    return path
-
-
-def run_follower(settings: TrainerSettings, model_dir: Path) -> None:
-    """Ranks > 0 of the trainer service: the same learner as rank 0's, driven by it."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    follow_until_stopped(DistributedLearner(settings, model_dir, pad_id))
+def make_learner(settings: TrainerSettings, model_dir: Path, pad_id: int) -> Learner:
+    """The distributed learner when this process is one of several (torchrun), else Learner."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return DistributedLearner(settings, model_dir, pad_id)
+    return Learner(settings, model_dir, pad_id)
 
 
 def follow_until_stopped(learner: DistributedLearner) -> None:

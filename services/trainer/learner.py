@@ -313,14 +313,3 @@ def _extract(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], base_fp
              run: str, base_version: int, target_version: int) -> bytes:
     return extract_patch(old, new, run=run, base_version=base_version, target_version=target_version,
                          base_fingerprint=base_fp, target_fingerprint=target_fp)
-
-
-def make_learner(settings: TrainerSettings, model_dir: Path, pad_id: int) -> Learner:
-    """The distributed learner when this process is one of several (torchrun), else Learner."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        from services.trainer.distributed import DistributedLearner
-
-        return DistributedLearner(settings, model_dir, pad_id)
-    return Learner(settings, model_dir, pad_id)
