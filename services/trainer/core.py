@@ -1,10 +1,11 @@
 """The trainer core: GRPO with Sparse-RL corrections, a sparse patch published every step.
 
 No HTTP here. One step: collect trajectories (Redis) → recompute dense old-policy log-probs →
-corrections + PPO-clip loss → AdamW on fp32 master weights → cast to bf16 → extract the patch
-against the last published bf16 weights → publish to the registry. Extraction and upload run in
-the background while the next batch is collected; the next publish waits for the previous one,
-so versions stay a chain.
+corrections + PPO-clip loss → AdamW on fp32 master weights → capture the bf16 weights (the
+learner keeps the last published ones, whole or one shard per process) → build the patch against
+the last published weights → publish to the registry. Building and upload run in the background
+while the next batch is collected; the next step waits for the previous publish (and the
+checkpoint due after it), so versions stay a chain.
 
 Faults (docs/coordination.md): every call to Redis or the registry rides out outages with backoff
 (shared.retry), so a step waits for the registry instead of being dropped; a ledger of prompt
@@ -28,14 +29,14 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from services.trainer.evaluation import evaluate
-from services.trainer.learner import Learner
+from services.trainer.distributed import make_learner
+from services.trainer.learner import Captured
 from services.trainer.ledger import GroupLedger
 from services.trainer.settings import TrainerSettings
 from shared.agreement import sampling_mismatch
 from shared.coord import Coordinator
 from shared.health import Liveness
-from shared.patch import PatchHeader, extract_patch, fingerprint, read_header, save_snapshot
+from shared.patch import PatchHeader, read_header, save_snapshot
 from shared.registry.client import RegistryClient
 from shared.registry.errors import RegistryHTTPError
 from shared.registry.sync import sync_weights
@@ -84,11 +85,10 @@ class Trainer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.learner = Learner(settings, self.model_dir, pad_id)
+        self.learner = make_learner(settings, self.model_dir, pad_id)
         self.version = 0  # the version published (and announced) last
-        self.published = self.learner.published_state()
-        self.dense_bytes = sum(t.numel() * t.element_size() for t in self.published.values())
-        self.numel = sum(t.numel() for t in self.published.values())
+        self.dense_bytes, self.numel = self.learner.dense_bytes, self.learner.numel
+        self._checkpointed_step = 0
         self.history: list[dict[str, Any]] = []
         self.metrics_path = self.data_dir / "metrics.jsonl"
         self.checkpoint_dir = self.data_dir / "checkpoint"
@@ -132,12 +132,12 @@ class Trainer:
             self._stop = stop
         if (self.checkpoint_dir / "trainer.pt").is_file():
             await asyncio.to_thread(self._load_checkpoint)
-        fp = fingerprint(self.published)
+        fp = self.learner.published_fingerprint
         latest = await self._registry(self.registry.latest)
         if latest is None:
             await self._publish_model_files()
-            data = await asyncio.to_thread(save_snapshot, self._cpu(self.published), run=self.settings.run,
-                                           version=self.version)
+            full = self._cpu(await asyncio.to_thread(self.learner.full_published))
+            data = await asyncio.to_thread(save_snapshot, full, run=self.settings.run, version=self.version)
             await self._registry(lambda: self.registry.publish_snapshot(self.version, data))
             log.info("published snapshot v%d (%s) to a new run %r", self.version, fp, self.settings.run)
         elif latest.version == self.version and latest.fingerprint == fp:
@@ -147,10 +147,10 @@ class Trainer:
             # version chain stays intact (the optimizer state is the checkpoint's).
             log.warning("registry is at v%d, checkpoint at v%d: loading the registry's weights", latest.version,
                         self.version)
-            state = self._cpu(self.published)
+            state = self._cpu(await asyncio.to_thread(self.learner.full_published))
             base = self.version if self.version or self.step else None
             result = await self._registry(lambda: sync_weights(self.registry, state, base, latest.version))
-            self._load_published(state, result.version)
+            await asyncio.to_thread(self._load_published, state, result.version)
         else:
             raise RuntimeError(
                 f"registry run {self.settings.run!r} is at v{latest.version} ({latest.fingerprint}) but the trainer "
@@ -170,7 +170,6 @@ class Trainer:
 
     def _load_published(self, state: dict[str, torch.Tensor], version: int) -> None:
         self.learner.load_published(state)
-        self.published = self.learner.published_state()
         self.version = version
 
     @property
@@ -198,15 +197,20 @@ class Trainer:
                 trajectories = await self.collect(stop)
                 if not trajectories:
                     continue
+                await self._settle_published()  # the previous version is out, its checkpoint written
                 self.state = "training"
                 t0 = time.perf_counter()
                 metrics = await asyncio.to_thread(self.train_step, trajectories)
                 metrics["train_seconds"] = time.perf_counter() - t0
-                new_state = self.learner.published_state()
-                await self.wait_published()  # the previous patch is the base of this one
+                t_capture = time.perf_counter()
+                target = self.version + 1
+                every = self.settings.upload_snapshot_every
+                snapshot = bool(every and target % every == 0)
+                captured = await asyncio.to_thread(self.learner.capture, snapshot)
+                metrics["capture_seconds"] = time.perf_counter() - t_capture
                 group_ids = [t.group_id for t in trajectories]
-                self._publish_task = asyncio.create_task(self.publish(new_state, metrics, t0, group_ids))
-            await self.wait_published()
+                self._publish_task = asyncio.create_task(self.publish(captured, metrics, t0, group_ids))
+            await self._settle_published()
         finally:
             self.state = "stopped" if not (self.settings.max_steps and self.step >= self.settings.max_steps) else "finished"
             self.finished.set()
@@ -215,6 +219,14 @@ class Trainer:
         if self._publish_task is not None:
             task, self._publish_task = self._publish_task, None
             await task
+
+    async def _settle_published(self) -> None:
+        """Wait for the last publish, then write the checkpoint due at this step (before the next
+        step starts: with several processes a checkpoint is a collective that must not overlap it)."""
+        await self.wait_published()
+        every = self.settings.checkpoint_every
+        if every and self.step % every == 0 and self.step != self._checkpointed_step:
+            await asyncio.to_thread(self.save_checkpoint)
 
     async def collect(self, stop: asyncio.Event) -> list[Trajectory]:
         """Up to groups_per_step trajectories; after collect_timeout_s, whatever arrived. Redis
@@ -320,21 +332,21 @@ class Trainer:
         """Held-out T = 1 accuracy of the current policy (dense cache) on the fixed eval prompts."""
         task = get_task(self.settings.default_task)
         prompts = task.make_prompts(self.settings.eval_prompts, seed=EVAL_SEED)
-        result = evaluate(self.learner.model, self.tokenizer, task, prompts, sample=True, seed=EVAL_SEED)
+        result = self.learner.evaluate(self.tokenizer, task, prompts, seed=EVAL_SEED)
         return {"heldout_accuracy": result["accuracy"], "heldout_reward": result["mean_reward"]}
 
     # -- publishing --
 
-    async def publish(self, new_state: dict[str, torch.Tensor], metrics: dict[str, Any], t0: float,
+    async def publish(self, captured: Captured, metrics: dict[str, Any], t0: float,
                       group_ids: Sequence[str] = ()) -> None:
-        """Extract and upload the patch; while the registry is unreachable, wait for it (the step
+        """Build and upload the patch; while the registry is unreachable, wait for it (the step
         is never dropped). `group_ids` are the groups trained in this step (settled once published)."""
         base, target = self.version, self.version + 1
         t_extract = time.perf_counter()
-        patch = await asyncio.to_thread(extract_patch, self.published, new_state, run=self.settings.run,
-                                        base_version=base, target_version=target)
+        patch = await asyncio.to_thread(captured.make_patch, self.settings.run, base, target)
         header = read_header(patch)
-        extract_seconds = time.perf_counter() - t_extract
+        # Capture (comparing and encoding the weights, per process) and building the container.
+        extract_seconds = time.perf_counter() - t_extract + metrics.get("capture_seconds", 0.0)
         metrics |= {
             "version": target,
             "changed_fraction": header.changed / self.numel if self.numel else 0.0,
@@ -346,8 +358,8 @@ class Trainer:
         t_up = time.perf_counter()
         try:
             await self._registry(lambda: self._put_patch(target, patch, header, _jsonable(metrics)))
-            if self.settings.upload_snapshot_every and target % self.settings.upload_snapshot_every == 0:
-                data = await asyncio.to_thread(save_snapshot, self._cpu(new_state), run=self.settings.run,
+            if captured.state is not None:
+                data = await asyncio.to_thread(save_snapshot, self._cpu(captured.state), run=self.settings.run,
                                                version=target)
                 await self._registry(lambda: self.registry.publish_snapshot(target, data))
         except RegistryHTTPError as exc:
@@ -357,7 +369,7 @@ class Trainer:
         metrics["upload_seconds"] = time.perf_counter() - t_up
         metrics["step_seconds"] = time.perf_counter() - t0
         metrics["time"] = time.time()
-        self.published, self.version = new_state, target
+        self.version = target
         await asyncio.to_thread(self.ledger.settle_trained, list(group_ids), target)
         self.held.difference_update(group_ids)
         await self._redis(lambda: self.coord.set_trainer_version(target))
@@ -367,8 +379,6 @@ class Trainer:
         log.info("step %d → v%d: reward %.3f acc %.3f changed %.2f%% patch %d B (%.0fx smaller)",
                  metrics["step"], target, metrics["reward_mean"], metrics["accuracy"],
                  100 * metrics["changed_fraction"], len(patch), metrics["payload_ratio"])
-        if self.settings.checkpoint_every and self.step % self.settings.checkpoint_every == 0:
-            await asyncio.to_thread(self.save_checkpoint)
 
     async def _put_patch(self, target: int, patch: bytes, header: PatchHeader, metrics: dict[str, Any]) -> None:
         try:
@@ -389,12 +399,13 @@ class Trainer:
     # -- checkpoints --
 
     def save_checkpoint(self) -> Path:
-        """Master weights, optimizer, version, step and history, written atomically."""
+        """Master weights and optimizer (the learner's, sharded with several processes), version,
+        step and history, written atomically."""
         tmp = self.checkpoint_dir.with_name(self.checkpoint_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        self.learner.save(tmp)
         torch.save({
-            **self.learner.state_dict(),
             "version": self.version,
             "history": self.history,
             "rng": torch.get_rng_state(),
@@ -406,16 +417,17 @@ class Trainer:
             os.rename(self.checkpoint_dir, old)
         os.rename(tmp, self.checkpoint_dir)
         shutil.rmtree(old, ignore_errors=True)
+        self._checkpointed_step = self.step
         log.info("checkpoint at step %d, v%d", self.step, self.version)
         return self.checkpoint_dir
 
     def _load_checkpoint(self) -> None:
-        ckpt = torch.load(self.checkpoint_dir / "trainer.pt", map_location=self.learner.device, weights_only=False)
-        self.learner.load_state_dict(ckpt)
+        ckpt = torch.load(self.checkpoint_dir / "trainer.pt", weights_only=False)
+        self.learner.load(self.checkpoint_dir)
         self.version, self.history = ckpt["version"], ckpt["history"]
         torch.set_rng_state(ckpt["rng"])
         np.random.set_state(ckpt["numpy_rng"])
-        self.published = self.learner.published_state()
+        self._checkpointed_step = self.step
         log.info("resumed from checkpoint: step %d, v%d", self.step, self.version)
 
 

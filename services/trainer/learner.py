@@ -15,18 +15,26 @@ what it returns, and bench/learning.py drives it in-process with the same code. 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import functools
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from services.trainer.batching import TrainBatch, collate
+from services.trainer.evaluation import evaluate
 from services.trainer.loss import Corrections, grpo_advantages, grpo_loss, sparse_rl_corrections
 from services.trainer.rollout_math import token_logprobs
 from services.trainer.settings import TrainerSettings
+from shared.patch import extract_patch, fingerprint
 from shared.schemas import Trajectory
+from shared.tasks import Task
 
 # Correction metrics reported per staleness (trainer version − sampling version): with staleness
 # > 0, ξ mixes weight lag with KV sparsity, so the two are only comparable split this way.
@@ -52,25 +60,55 @@ def published_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+@dataclass
+class Captured:
+    """The published weights of one step, captured: `make_patch(run, base_version, target_version)`
+    builds the patch from the previous capture's weights to these (host work only, no collective,
+    safe in a thread while the next step trains); `state`, the full bf16 weights when asked for."""
+
+    make_patch: Callable[[str, int, int], bytes]
+    fingerprint: str
+    state: dict[str, torch.Tensor] | None = None
+
+
 class Learner:
+    """One process holding the whole model. The hooks (`_device`, `_prepare`, `_micro_batches`,
+    `_idle_pass`, `_sum`, `_logprobs_all`, `loss_scale` and the publishing methods) are what the
+    distributed learner (distributed.py) overrides; the update itself is written once, here."""
+
+    loss_scale = 1.0  # FSDP averages gradients over ranks; the distributed learner undoes that
+    world_size, rank = 1, 0
+
     def __init__(self, settings: TrainerSettings, model_dir: Path, pad_id: int) -> None:
         self.settings = settings
-        self.device = resolve_device(settings.device)
+        self.device = self._device()
         self.pad_id = pad_id
         torch.manual_seed(settings.seed)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device)
-        self.model.config.use_cache = False
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
-                                           betas=(settings.beta1, settings.beta2))
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model.config.use_cache = False
+        if settings.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # The KL anchor: the starting weights (the warm start), frozen, in the dtype they were saved in.
-        self.ref_model = None
+        frozen = None
         if settings.loss.kl_coef > 0:
-            self.ref_model = AutoModelForCausalLM.from_pretrained(model_dir).to(self.device).eval()
-            self.ref_model.requires_grad_(False)
+            frozen = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+            frozen.requires_grad_(False)
+        self.model, self.ref_model = self._prepare(model, frozen)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr,
+                                           weight_decay=settings.weight_decay,
+                                           betas=(settings.beta1, settings.beta2))
         self.step = 0
         # Minibatch order: its own generator, so sampling elsewhere does not change which sequences
         # share an update (a checkpoint stores its state).
         self.shuffle = torch.Generator().manual_seed(settings.seed)
+        self._init_published()
+
+    def _device(self) -> torch.device:
+        return resolve_device(self.settings.device)
+
+    def _prepare(self, model: torch.nn.Module,
+                 frozen: torch.nn.Module | None) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+        return model.to(self.device), None if frozen is None else frozen.to(self.device)
 
     # -- one update --
 
@@ -83,39 +121,47 @@ class Learner:
             version = max(batch.policy_versions)
         advantages = grpo_advantages(batch.rewards, batch.group_index)
         mask = batch.completion_mask
-        all_rows = torch.arange(batch.sequences, device=self.device)
         self.model.train()
         with torch.no_grad():
-            logp_old = self._logprobs(self.model, batch, all_rows)
-            logp_ref = self._logprobs(self.ref_model, batch, all_rows) if self.ref_model is not None else None
+            logp_old = self._logprobs_all(self.model, batch)
+            logp_ref = self._logprobs_all(self.ref_model, batch) if self.ref_model is not None else None
         corrections = sparse_rl_corrections(logp_old, batch.logp_sampler, mask, s.loss.corrections)
 
         updates = min(s.ppo_updates, batch.sequences)
         order = torch.randperm(batch.sequences, generator=self.shuffle).to(self.device)
-        loss_sum, clip_sum, grad_norms, kl_ref = 0.0, 0.0, [], []
+        # Summed over this process's micro-batches, then over processes: loss, clip and KL tokens.
+        totals = torch.zeros(4, dtype=torch.float64)
+        grad_norms = []
         for minibatch in order.tensor_split(updates):
             self.optimizer.zero_grad(set_to_none=True)
-            normalizer = corrections.rows(minibatch).normalizer(s.loss.aggregation)
-            for rows in minibatch.split(s.micro_batch):
+            micro = self._micro_batches(minibatch)
+            mine = torch.cat(micro) if micro else minibatch[:0]
+            # Each process knows its own rows' counts; all of them divide by the minibatch's total.
+            count = corrections.rows(mine).normalizer(s.loss.aggregation).double()
+            normalizer = self._sum(count).to(self.device)
+            for rows in micro:
+                if not rows.numel():
+                    self._idle_pass(batch)
+                    continue
                 loss, m = self._loss(batch, rows, logp_old, logp_ref, advantages, corrections, normalizer)
-                loss.backward()
-                loss_sum += float(loss.detach())
-                clip_sum += m["clip_fraction"] * float(corrections.keep_token[rows].sum())
-                if "kl_ref" in m:
-                    kl_ref.append(m["kl_ref"])
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.grad_clip)))
+                (loss * self.loss_scale).backward()
+                kept = float(corrections.keep_token[rows].sum())
+                totals += torch.tensor([float(loss.detach()), m["clip_fraction"] * kept,
+                                        m.get("kl_ref", 0.0) * kept, kept], dtype=torch.float64)
+            grad_norms.append(self._clip_grad_norm())
             self.optimizer.step()
         self.step += 1
+        loss_sum, clip_sum, kl_sum, kl_tokens = self._sum(totals).tolist()
 
         kept = corrections.keep_token.sum().clamp(min=1)
         gain: dict[str, float] = {}
         if s.measure_batch_gain:
             with torch.no_grad():
-                logp_after = self._logprobs(self.model, batch, all_rows)
+                logp_after = self._logprobs_all(self.model, batch)
             moved = (logp_after - logp_old) * advantages[:, None] * corrections.keep_token
             gain["batch_gain"] = float(moved.sum() / kept)
-        if kl_ref:
-            gain["kl_ref"] = sum(kl_ref) / len(kl_ref)
+        if logp_ref is not None:
+            gain["kl_ref"] = kl_sum / max(kl_tokens, 1.0)  # per kept token, whatever the micro-batching
         lengths = batch.attention_mask.sum(dim=1).float()
         completion_lengths = mask.sum(dim=1).float()
         return {
@@ -142,10 +188,25 @@ class Learner:
             **gain,
         }
 
+    def _micro_batches(self, minibatch: torch.Tensor) -> list[torch.Tensor]:
+        """This process's micro-batches of a minibatch (an empty one: run _idle_pass)."""
+        return list(minibatch.split(self.settings.micro_batch))
+
+    def _idle_pass(self, batch: TrainBatch) -> None:
+        """A forward/backward contributing nothing (only processes with collectives need it)."""
+
+    def _sum(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum over processes (here: one)."""
+        return value
+
+    def _clip_grad_norm(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP
+
     def _loss(self, batch: TrainBatch, rows: torch.Tensor, logp_old: torch.Tensor, logp_ref: torch.Tensor | None,
               advantages: torch.Tensor, corrections: Corrections,
               normalizer: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        logp_new = self._logprobs(self.model, batch, rows)
+        logp_new = self._logprobs_local(self.model, batch, rows)
         return grpo_loss(logp_new, logp_old[rows], batch.logp_sampler[rows], advantages[rows],
                          batch.completion_mask[rows], self.settings.loss,
                          logp_ref=None if logp_ref is None else logp_ref[rows],
@@ -161,7 +222,11 @@ class Learner:
             out[str(lag)] = {k: sub.metrics[k] for k in _BY_STALENESS} | {"sequences": int(rows.numel())}
         return out
 
-    def _logprobs(self, model: torch.nn.Module, batch: TrainBatch, rows: torch.Tensor) -> torch.Tensor:
+    def _logprobs_all(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+        """Token log-probs of every sequence of the batch (no_grad callers)."""
+        return self._logprobs_local(model, batch, torch.arange(batch.sequences, device=self.device))
+
+    def _logprobs_local(self, model: torch.nn.Module, batch: TrainBatch, rows: torch.Tensor) -> torch.Tensor:
         """Token log-probs of `rows`, micro-batched (no_grad callers get the whole set at once)."""
         parts = []
         for chunk in rows.split(self.settings.micro_batch):
@@ -175,10 +240,35 @@ class Learner:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
-    # -- weights and state --
+    def evaluate(self, tokenizer: PreTrainedTokenizerBase, task: Task, prompts: list[tuple[str, str]],
+                 seed: int) -> dict[str, float]:
+        """Held-out T = 1 accuracy of the policy now (evaluation.evaluate)."""
+        return evaluate(self.model, tokenizer, task, prompts, sample=True, seed=seed)
+
+    # -- published weights --
+
+    def _init_published(self) -> None:
+        self.published = published_state(self.model)  # the bf16 weights published last
+        self.numel = sum(t.numel() for t in self.published.values())
+        self.dense_bytes = sum(t.numel() * t.element_size() for t in self.published.values())
+        self.published_fingerprint = fingerprint(self.published)
 
     def published_state(self) -> dict[str, torch.Tensor]:
+        """bf16 copies of the weights now (published or not)."""
         return published_state(self.model)
+
+    def full_published(self) -> dict[str, torch.Tensor]:
+        """The whole published bf16 weights (the v0 snapshot, resuming, tests)."""
+        return self.published
+
+    def capture(self, full_state: bool = False) -> Captured:
+        """Take the weights now as the next published version; the patch from the last capture
+        is built by the returned Captured.make_patch (with the whole weights in `state` if asked)."""
+        old, new = self.published, published_state(self.model)
+        base_fp, target_fp = self.published_fingerprint, fingerprint(new)
+        self.published, self.published_fingerprint = new, target_fp
+        make_patch = functools.partial(_extract, old, new, base_fp, target_fp)
+        return Captured(make_patch, target_fp, new if full_state else None)
 
     def load_published(self, state: dict[str, torch.Tensor]) -> None:
         """Set the master weights to published bf16 values (resume from the registry's head)."""
@@ -189,14 +279,37 @@ class Learner:
                 if target is None:
                     target = self.model.get_buffer(name)
                 target.copy_(tensor.to(target.device, target.dtype))
+        self._init_published()
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
-                "shuffle": self.shuffle.get_state()}
+    def close(self) -> None:
+        """Release what the learner drives (the distributed learner's followers)."""
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step = state["step"]
-        if "shuffle" in state:
-            self.shuffle.set_state(state["shuffle"])
+    # -- checkpoints (torch.distributed.checkpoint: any world size reads any other's) --
+
+    def save(self, directory: Path) -> None:
+        """Master weights and optimizer state (DCP, one file per process) and the counters."""
+        model, optim = get_state_dict(self.model, self.optimizer)
+        with warnings.catch_warnings():  # one process: DCP says it assumes so
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.save({"model": model, "optim": optim}, checkpoint_id=directory)
+        if self.rank == 0:
+            torch.save({"step": self.step, "shuffle": self.shuffle.get_state()}, directory / "learner.pt")
+
+    def load(self, directory: Path) -> None:
+        model, optim = get_state_dict(self.model, self.optimizer)
+        state = {"model": model, "optim": optim}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=directory)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        counters = torch.load(directory / "learner.pt", weights_only=False)
+        self.step = counters["step"]
+        self.shuffle.set_state(counters["shuffle"])
+        self._init_published()
+
+
+def _extract(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], base_fp: str, target_fp: str,
+             run: str, base_version: int, target_version: int) -> bytes:
+    return extract_patch(old, new, run=run, base_version=base_version, target_version=target_version,
+                         base_fingerprint=base_fp, target_fingerprint=target_fp)

@@ -139,11 +139,13 @@ class TrainerService:
         ledger = await asyncio.to_thread(GroupLedger.in_dir, settings.data_dir, settings.run)
         state["coord"], state["registry"], state["ledger"] = coord, client, ledger
         stop = asyncio.Event()
+        built: list[Trainer] = []
 
         async def boot() -> None:
             try:
                 trainer = await asyncio.to_thread(Trainer, settings, client, coord, ledger=ledger,
                                                   health=self.health)
+                built.append(trainer)
                 await trainer.start(stop)
                 state["trainer"] = trainer
                 await trainer.run(stop)
@@ -173,6 +175,8 @@ class TrainerService:
             sampler.cancel()
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
                 await asyncio.wait_for(task, timeout=60)
+            for trainer in built:  # under torchrun: let the other ranks go
+                await asyncio.to_thread(trainer.learner.close)
             await client.aclose()
             await redis.aclose()
 

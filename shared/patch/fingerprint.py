@@ -101,10 +101,14 @@ def _mix_(w: torch.Tensor) -> torch.Tensor:
 
 def tensor_sum(t: torch.Tensor) -> torch.Tensor:
     """S for one tensor, as a 0-d int64 tensor on the tensor's device (no host sync)."""
-    words = _words(t)
+    return _aligned_sum(_words(t), 0)
+
+
+def _aligned_sum(words: torch.Tensor, first_row: int) -> torch.Tensor:
+    """sum_i x_i * m_(first_row * 1024 + i) of int64 words starting on a row boundary."""
     cols = _columns(words.device)
     n_rows, rest = divmod(words.numel(), _ROW)
-    rows = _rows(n_rows + 1, words.device)
+    rows = _rows(first_row + n_rows + 1, words.device)[first_row:]
     parts = []
     for start in range(0, n_rows, _SLICE_ROWS):
         count = min(_SLICE_ROWS, n_rows - start)
@@ -113,6 +117,25 @@ def tensor_sum(t: torch.Tensor) -> torch.Tensor:
     if rest or not parts:
         parts.append((_mix(words[n_rows * _ROW :]) * cols[:rest]).sum() * rows[n_rows])
     return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+
+
+def word_sum_at(words: torch.Tensor, word_offset: int) -> torch.Tensor:
+    """The part of a tensor's S contributed by `words` (int64) lying at word positions
+    word_offset, word_offset + 1, ... of that tensor (a slice of it, e.g. one rank's shard):
+    S is a sum over positions, so the parts of disjoint slices add up to tensor_sum."""
+    head = min(words.numel(), -word_offset % _ROW)  # words before the next row boundary
+    total = _aligned_sum(words[head:], (word_offset + head) // _ROW)
+    if head:
+        col = word_offset % _ROW
+        row = _rows(word_offset // _ROW + 1, words.device)[word_offset // _ROW]
+        total = total + (_mix(words[:head]) * _columns(words.device)[col : col + head]).sum() * row
+    return total
+
+
+def tensor_sum_at(t: torch.Tensor, word_offset: int) -> torch.Tensor:
+    """word_sum_at of a tensor whose bytes start at 64-bit word `word_offset` of a larger tensor
+    (its last word zero-padded, as tensor_sum pads the whole tensor's)."""
+    return word_sum_at(_words(t), word_offset)
 
 
 def _short_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -222,11 +245,16 @@ def fingerprint(state: Mapping[str, torch.Tensor]) -> str:
 
 def digest(state: Mapping[str, torch.Tensor], sums: Mapping[str, int]) -> str:
     """The fingerprint from each tensor's S (as returned by device_sums, any integer form)."""
+    return fingerprint_from_sums({n: (t.dtype, tuple(t.shape), int(sums[n])) for n, t in state.items()})
+
+
+def fingerprint_from_sums(sums: Mapping[str, tuple[torch.dtype, tuple[int, ...], int]]) -> str:
+    """fingerprint() from each tensor's dtype, shape and S (e.g. combined from shards' parts)."""
     h = hashlib.blake2b(digest_size=16, person=b"sparsecast-fp1")
-    for name in sorted(state):
-        t = state[name]
-        h.update(f"{name}\0{str(t.dtype).removeprefix('torch.')}\0{tuple(t.shape)}\0".encode())
-        h.update((sums[name] & (2**64 - 1)).to_bytes(8, "little"))
+    for name in sorted(sums):
+        dtype, shape, total = sums[name]
+        h.update(f"{name}\0{str(dtype).removeprefix('torch.')}\0{tuple(shape)}\0".encode())
+        h.update((total & (2**64 - 1)).to_bytes(8, "little"))
     return FINGERPRINT_PREFIX + h.hexdigest()
 
 

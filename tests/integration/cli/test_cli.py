@@ -33,7 +33,7 @@ RUN = "cli-test"
 
 def _seed_versions(registry_url: str, trainer_state: dict) -> None:
     """Publish v1 and v2 as real sparse patches of the trainer's v0 weights."""
-    state = {k: v.clone() for k, v in trainer_state["trainer"].published.items()}
+    state = {k: v.clone() for k, v in trainer_state["trainer"].learner.full_published().items()}
 
     async def publish() -> None:
         async with RegistryClient(registry_url, RUN, token=TOKEN) as client:

@@ -121,13 +121,24 @@ def test_dependencies_exist_and_their_conditions_can_be_met() -> None:
 
 
 def test_always_on_services_never_depend_on_profiled_ones() -> None:
-    # A service without profiles starts under every profile: its dependencies must too.
-    services = load_compose()["services"]
+    # A service without profiles starts under every profile: its dependencies must too, or, for
+    # alternatives marked `required: false` (the CPU or the GPU trainer), one of them must.
+    compose = load_compose()
+    services = compose["services"]
+    profiles = {p for service in services.values() for p in service.get("profiles", [])}
     for name, service in services.items():
         if service.get("profiles"):
             continue
-        for target in service.get("depends_on", {}):
-            assert not services[target].get("profiles"), f"{name} (always on) depends on profiled {target}"
+        optional = []
+        for target, spec in service.get("depends_on", {}).items():
+            if spec.get("required", True) is False:
+                optional.append(target)
+            else:
+                assert not services[target].get("profiles"), f"{name} (always on) needs profiled {target}"
+        for profile in profiles:
+            if optional:
+                active = active_services(compose, {profile})
+                assert set(optional) & active, f"{name}: none of {optional} in {profile}"
 
 
 def test_published_ports_bind_the_hosts_loopback_only() -> None:
@@ -167,6 +178,10 @@ def test_plain_up_starts_the_cpu_demo_and_gpu_profile_swaps_rollout() -> None:
     assert "rollout-gpu" not in default
     gpu = active_services(compose, {"gpu"})
     assert "rollout-gpu" in gpu and "rollout" not in gpu
+    assert "trainer-gpu" in gpu and "trainer" not in gpu and "trainer-gpu" not in default
+    command = compose["services"]["trainer-gpu"]["command"]
+    assert command[0] == "torchrun" and command[command.index("-m") + 1] == "services.trainer"
+    assert compose["services"]["trainer-gpu"]["environment"]["SPARSECAST_DEVICE"] == "cuda"
     assert compose["services"]["trainer"]["environment"]["SPARSECAST_MODEL"].endswith("tiny-demo}")
 
 
@@ -189,8 +204,8 @@ def test_service_commands_are_real_entrypoints() -> None:
         if "build" not in service:
             continue  # third-party images (redis, minio, mc)
         assert isinstance(command, list), name
-        if command[:2] == ["python", "-m"]:
-            module = command[2]
+        if command[:2] == ["python", "-m"] or command[0] == "torchrun":
+            module = command[command.index("-m") + 1]
             assert (ROOT / module.replace(".", "/") / "__main__.py").is_file(), f"{name}: no {module}"
         else:
             assert command[0] in scripts, f"{name}: {command[0]} is not a console script"

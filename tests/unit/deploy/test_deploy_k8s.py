@@ -531,3 +531,47 @@ def test_notes_show_how_to_submit_prompts() -> None:
     assert "port-forward svc/demo-sparsecast-trainer 8000:8000" in notes
     ingress = helm_notes(overrides={"ingress": {"enabled": True, "host": "rl.example.com", "tlsSecret": "t"}})
     assert "SPARSECAST_TRAINER_URL=https://rl.example.com" in ingress
+
+
+DISTRIBUTED = {"trainer": {"distributed": {"enabled": True, "dataClaim": "shared-data"}}}
+
+
+@pytest.mark.parametrize(
+    ("change", "valid"),
+    [
+        (DISTRIBUTED, True),
+        ({"trainer": {"distributed": {"enabled": True}}}, False),  # no shared volume for the shards
+        ({"trainer": {"distributed": {"enabled": True, "dataClaim": "d", "nnodes": 0}}}, False),
+        ({"trainer": {"distributed": {"enabled": True, "dataClaim": "d", "nprocPerNode": 0}}}, False),
+        ({"trainer": {"distributed": {"enabled": True, "dataClaim": "d", "gpus": 8}}}, False),
+    ],
+)
+def test_chart_schema_for_the_distributed_trainer(change: dict, valid: bool) -> None:
+    values = load_values()
+    deep_merge(values, copy.deepcopy(change))
+    assert (values_errors(values) == []) is valid
+
+
+def test_helm_template_distributed_trainer() -> None:
+    """A torchrun StatefulSet found through a headless Service, GPUs per pod, node rank from the pod
+    index; the trainer Deployment steps aside and the API Service reaches node rank 0 only."""
+    overrides = {"trainer": {"distributed": {"enabled": True, "dataClaim": "shared", "nnodes": 3,
+                                             "nprocPerNode": 4}}}
+    assert helm_lint(chart_values(overrides=overrides)) == []
+    docs = helm_template(overrides=overrides)
+    check_crd_objects_and_validate(docs)
+    assert load_values()["trainer"]["distributed"]["enabled"] is False
+    assert not any(d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-trainer") for d in docs)
+    [sts] = [d for d in docs if d["kind"] == "StatefulSet"]
+    assert sts["spec"]["replicas"] == 3 and sts["spec"]["podManagementPolicy"] == "Parallel"
+    [container] = sts["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["torchrun"] and container["args"][-2:] == ["-m", "services.trainer"]
+    assert {"--nnodes=3", "--nproc_per_node=4", "--node_rank=$(NODE_RANK)"} <= set(container["args"])
+    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == 4
+    node_rank = next(e for e in container["env"] if e["name"] == "NODE_RANK")
+    assert node_rank["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    headless = services[sts["spec"]["serviceName"]]["spec"]
+    assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
+    selector = services["demo-sparsecast-trainer"]["spec"]["selector"]
+    assert selector["statefulset.kubernetes.io/pod-name"].endswith("-0")

@@ -82,18 +82,25 @@ def test_step_changes_a_sparse_set_of_bf16_weights_and_the_patch_is_exact(
     tiny_model_dir: str, tmp_path: Path
 ) -> None:
     trainer = _trainer(tiny_model_dir, tmp_path, lr=1e-5)
-    before = trainer.published
+    before = {k: v.clone() for k, v in trainer.learner.full_published().items()}
     assert "lm_head.weight" not in before  # tied: listed once, as save_pretrained does
     assert fingerprint(before) == fingerprint(published_state(trainer.learner.model))
+    assert trainer.learner.published_fingerprint == fingerprint(before)
     trainer.train_step(_trajectories(vocab=90))
     after = published_state(trainer.learner.model)
-    patch = extract_patch(before, after, run="r", base_version=0, target_version=1)
+    captured = trainer.learner.capture(full_state=True)
+    patch = captured.make_patch("r", 0, 1)
+    assert patch == extract_patch(before, after, run="r", base_version=0, target_version=1)
+    assert captured.fingerprint == fingerprint(after) == trainer.learner.published_fingerprint
+    assert captured.state is not None and fingerprint(captured.state) == fingerprint(after)
     header = read_header(patch)
     assert 0 < header.changed < trainer.numel  # something moved, not everything
     replica = {k: v.clone() for k, v in before.items()}
     apply_patch(replica, patch)
     assert fingerprint(replica) == fingerprint(after)
     assert all(torch.equal(replica[k].view(torch.int16), after[k].view(torch.int16)) for k in after)
+    # The next capture is against these weights: nothing moved, nothing changes.
+    assert read_header(trainer.learner.capture().make_patch("r", 1, 2)).changed == 0
 
 
 def test_batch_gain_is_positive_for_a_descent_step_and_negative_for_ascent(

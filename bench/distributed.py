@@ -1,0 +1,271 @@
+"""The trainer's learner on one or several GPUs: GRPO steps on rollouts from the native engine,
+a patch per step applied to the engine's weights (a worker's copy).
+
+    torchrun --nproc_per_node 2 -m bench.distributed --shape 4b      # FSDP2, shards per GPU
+    python -m bench.distributed --shape 1.7b                          # one process, the whole model
+
+A Qwen3-shaped model with random weights (saved once in bf16, so the engine and the learner
+start from the same weights); rewards are random (a random model solves nothing; the update's
+cost does not depend on them). Per step: rollout (rank 0's GPU, R-KV cache), `train_step`
+(ppo_updates AdamW steps), capture (each rank compares its shard of the bf16 weights) and the
+patch assembled on rank 0, applied to the engine with its fingerprints checked. On rank 0 the
+single-process extractor also runs on the same full weights (the engine's copy before and after),
+so the sharded path's cost is compared on the same bytes, and its patch must be identical.
+Reported: step time, trained tokens/s, peak memory per GPU, extraction seconds per step and per
+GB of bf16 model. JSON: bench/results/distributed-<shape>-<world>x<card>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
+from services.trainer.distributed import make_learner
+from services.trainer.settings import TrainerSettings
+from shared.modeling import qwen3_config
+from shared.patch import apply_patch, extract_patch, fingerprint, read_header
+from shared.schemas import KVStats, Sample, SamplingInfo, Trajectory
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def make_model_dir(shape: str, path: Path, device: torch.device) -> None:
+    """A random-weight Qwen3 of `shape` saved in bf16 with the char tokenizer (rank 0, once)."""
+    from transformers import AutoModelForCausalLM
+
+    from shared.tokenizer import save_tokenizer
+
+    if (path / "config.json").is_file():
+        return
+    config = qwen3_config(shape)
+    tokenizer = save_tokenizer(path)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = (
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):  # random init on the GPU: minutes faster than on a CPU for billions
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    del model
+
+
+def rollout(
+    engine: LLMEngine, args: argparse.Namespace, step: int, vocab: int
+) -> tuple[list[Trajectory], int]:
+    rng = random.Random(step)
+    prompts = [
+        [1] + [rng.randrange(4, vocab) for _ in range(args.prompt_tokens - 1)] for _ in range(args.groups)
+    ]
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, seed=step)
+    kv = KVConfig(policy="rkv", budget=args.kv_budget, buffer=args.kv_buffer)
+    outputs = engine.generate([p for p in prompts for _ in range(args.samples)], params, kv)
+    trajectories, tokens = [], 0
+    for g, prompt in enumerate(prompts):
+        samples = []
+        for out in outputs[g * args.samples : (g + 1) * args.samples]:
+            tokens += len(prompt) + len(out.token_ids)
+            samples.append(
+                Sample(
+                    completion="",
+                    prompt_ids=prompt,
+                    completion_ids=out.token_ids,
+                    logprobs=out.logprobs,
+                    reward=rng.random(),
+                    correct=False,
+                    finish_reason=out.finish_reason,
+                    kv=KVStats(
+                        peak_tokens=out.kv.peak_tokens, peak_bytes=out.kv.peak_bytes, evicted=out.kv.evicted
+                    ),
+                )
+            )
+        trajectories.append(
+            Trajectory(
+                group_id=f"s{step}-{g}",
+                attempt=1,
+                policy_version=step,
+                worker_id="bench",
+                task="addition",
+                prompt="",
+                samples=samples,
+                sampling=SamplingInfo(temperature=1.0, kv_policy="rkv", kv_budget=args.kv_budget),
+            )
+        )
+    return trajectories, tokens
+
+
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", default="4b")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--kv-budget", type=int, default=128)
+    parser.add_argument("--kv-buffer", type=int, default=32)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--model-dir", default="")
+    parser.add_argument("--card", default="", help="the GPU model, for the file name (e.g. h100)")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+
+    from services.trainer.distributed import control_group, init_process_groups, launched_distributed
+
+    distributed = launched_distributed()
+    rank, world = init_process_groups(args.device) if distributed else (0, 1)
+    settings = TrainerSettings(
+        model="unused",
+        device=args.device,
+        lr=args.lr,
+        micro_batch=args.micro_batch,
+        ppo_updates=4,
+        activation_checkpointing=args.activation_checkpointing,
+    )
+    device = (
+        torch.device(f"cuda:{torch.cuda.current_device()}")
+        if torch.cuda.is_available() and args.device != "cpu"
+        else torch.device("cpu")
+    )
+    model_dir = Path(args.model_dir or f"/tmp/sparsecast-bench-{args.shape}")
+    if rank == 0:
+        make_model_dir(args.shape, model_dir, device)
+    if distributed:
+        torch.distributed.barrier(group=control_group())
+
+    t0 = time.perf_counter()
+    learner = make_learner(settings, model_dir, pad_id=0)
+    load_seconds = time.perf_counter() - t0
+    if rank != 0:
+        learner.follow()  # type: ignore[attr-defined]
+        report = {"rank": rank, "peak_gib": peak_gib()}
+        torch.distributed.gather_object(report, None, dst=0, group=control_group())
+        return
+
+    engine = LLMEngine.from_pretrained(model_dir, device=device, dtype=torch.bfloat16)
+    live = engine.state_dict()
+    assert fingerprint(live) == learner.published_fingerprint, "engine and learner start from other weights"
+    vocab = 256  # prompt tokens from the char tokenizer's range; the model may sample any of its vocabulary
+    rows: list[dict[str, Any]] = []
+    for step in range(args.steps):
+        t_roll = time.perf_counter()
+        trajectories, tokens = rollout(engine, args, step, vocab)
+        rollout_seconds = time.perf_counter() - t_roll
+        _sync(device)
+        t_train = time.perf_counter()
+        metrics = learner.train_step(trajectories, version=step)
+        _sync(device)
+        train_seconds = time.perf_counter() - t_train
+        t_cap = time.perf_counter()
+        captured = learner.capture()
+        capture_seconds = time.perf_counter() - t_cap
+        t_build = time.perf_counter()
+        patch = captured.make_patch("bench", step, step + 1)
+        build_seconds = time.perf_counter() - t_build
+        # The single-process extractor on the same full weights: the engine's copy before and after.
+        before = {name: t.clone() for name, t in live.items()}
+        t_apply = time.perf_counter()
+        apply_patch(live, patch)  # checks the base and target fingerprints
+        _sync(device)
+        apply_seconds = time.perf_counter() - t_apply
+        _sync(device)
+        t_single = time.perf_counter()
+        single = extract_patch(before, live, run="bench", base_version=step, target_version=step + 1)
+        single_seconds = time.perf_counter() - t_single
+        del before
+        header = read_header(patch)
+        row = {
+            "step": step + 1,
+            "loss": metrics["loss"],
+            "grad_norm": metrics["grad_norm"],
+            "sequences": metrics["sequences"],
+            "tokens": tokens,
+            "rollout_seconds": rollout_seconds,
+            "train_seconds": train_seconds,
+            "tokens_per_second": tokens / train_seconds,
+            "capture_seconds": capture_seconds,
+            "build_seconds": build_seconds,
+            "extract_seconds": capture_seconds + build_seconds,
+            "single_process_extract_seconds": single_seconds,
+            "apply_seconds": apply_seconds,
+            "patch_bytes": len(patch),
+            "changed": header.changed,
+            "changed_fraction": header.changed / learner.numel,
+            "patch_identical_to_single_process": patch == single,
+            "worker_fingerprint_equal": fingerprint(live)
+            == captured.fingerprint
+            == header.target_fingerprint,
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if distributed:
+        learner.stop_followers()  # type: ignore[attr-defined]
+        others = [None] * world
+        torch.distributed.gather_object(
+            {"rank": 0, "peak_gib": peak_gib()}, others, dst=0, group=control_group()
+        )
+        peaks = [r["peak_gib"] for r in others]  # type: ignore[index]
+    else:
+        peaks = [peak_gib()]
+    timed = rows[1:] or rows  # the first step includes warm-up (allocator, kernels)
+    gb = learner.dense_bytes / 1e9
+    extract = statistics.median(r["extract_seconds"] for r in timed)
+    single = statistics.median(r["single_process_extract_seconds"] for r in timed)
+    result = {
+        "shape": args.shape,
+        "world_size": world,
+        "numel": learner.numel,
+        "dense_bytes": learner.dense_bytes,
+        "card": args.card or (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "model_dir")},
+        "load_seconds": load_seconds,
+        "median": {
+            "train_seconds": statistics.median(r["train_seconds"] for r in timed),
+            "tokens_per_second": statistics.median(r["tokens_per_second"] for r in timed),
+            "extract_seconds": extract,
+            "extract_seconds_per_gb": extract / gb,
+            "single_process_extract_seconds": single,
+            "single_process_extract_seconds_per_gb": single / gb,
+            "rollout_seconds": statistics.median(r["rollout_seconds"] for r in timed),
+        },
+        "peak_gib_per_gpu": peaks,
+        "peak_gib_note": "rank 0 also holds the engine (bf16 weights + KV) and two full bf16 copies for the "
+        "single-process comparison",
+        "all_patches_identical": all(r["patch_identical_to_single_process"] for r in rows),
+        "all_fingerprints_equal": all(r["worker_fingerprint_equal"] for r in rows),
+        "steps": rows,
+    }
+    card = (args.card or "cpu").lower()
+    out = Path(args.out) if args.out else RESULTS / f"distributed-{args.shape}-{world}x{card}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "steps"}, indent=1))
+    if distributed:
+        torch.distributed.destroy_process_group()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+if __name__ == "__main__":
+    main()
