@@ -569,7 +569,9 @@ def test_helm_template_distributed_trainer() -> None:
     assert {"--nnodes=3", "--nproc_per_node=4", "--node_rank=$(NODE_RANK)"} <= set(container["args"])
     assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == 4
     node_rank = next(e for e in container["env"] if e["name"] == "NODE_RANK")
-    assert node_rank["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+    assert (
+        node_rank["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+    )
     services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
     headless = services[sts["spec"]["serviceName"]]["spec"]
     assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True

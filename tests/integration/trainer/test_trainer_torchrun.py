@@ -24,10 +24,11 @@ from shared.registry.client import RegistryClient
 from shared.registry.sync import sync_weights
 from shared.schemas import KVStats, Sample, SamplingInfo, Trajectory, WorkerInfo
 from tests.conftest import free_port, serve_app
+from tests.paths import REPO_ROOT
 
 TOKEN = "torchrun-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 STEPS = 3
 
 
