@@ -27,7 +27,7 @@ from services.trainer.learner import Learner
 from services.trainer.settings import TrainerSettings
 from shared.patch import apply_patch, extract_patch, fingerprint, read_header
 from shared.tasks import get_task
-from tests.unit.test_trainer_step import _trajectories
+from tests.unit.services.trainer.test_trainer_step import _trajectories
 
 WORLD = 2
 
