@@ -15,6 +15,7 @@ groups (ledger.py) lets the trainer queue again what Redis lost, and never train
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -68,7 +69,8 @@ def resolve_model_dir(settings: TrainerSettings) -> Path:
         return ensure_warmstart_model(Path(settings.warmstart_cache))
     path = Path(settings.model)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a HF model directory (no config.json); use 'tiny-demo' or a model dir")
+        raise FileNotFoundError(
+            f"{path} is not a HF model directory (no config.json); use 'tiny-demo' or a model dir")
     return path
 
 
@@ -145,16 +147,16 @@ class Trainer:
         elif latest.version > self.version:
             # Published after our last checkpoint: continue from the registry's weights so the
             # version chain stays intact (the optimizer state is the checkpoint's).
-            log.warning("registry is at v%d, checkpoint at v%d: loading the registry's weights", latest.version,
-                        self.version)
+            log.warning("registry is at v%d, checkpoint at v%d: loading the registry's weights",
+                        latest.version, self.version)
             state = self._cpu(await asyncio.to_thread(self.learner.full_published))
             base = self.version if self.version or self.step else None
             result = await self._registry(lambda: sync_weights(self.registry, state, base, latest.version))
             await asyncio.to_thread(self._load_published, state, result.version)
         else:
             raise RuntimeError(
-                f"registry run {self.settings.run!r} is at v{latest.version} ({latest.fingerprint}) but the trainer "
-                f"holds v{self.version} ({fp}): use another run name or the matching checkpoint")
+                f"registry run {self.settings.run!r} is at v{latest.version} ({latest.fingerprint}) but the "
+                f"trainer holds v{self.version} ({fp}): use another run name or the matching checkpoint")
         await self._redis(self.maintain)
         if self.settings.eval_every and self.step == 0:
             self.eval_baseline = await asyncio.to_thread(self.evaluate)
@@ -166,7 +168,7 @@ class Trainer:
             path = self.model_dir / name
             if path.is_file():
                 data = path.read_bytes()
-                await self._registry(lambda name=name, data=data: self.registry.put_model_file(name, data))
+                await self._registry(functools.partial(self.registry.put_model_file, name, data))
 
     def _load_published(self, state: dict[str, torch.Tensor], version: int) -> None:
         self.learner.load_published(state)
@@ -212,7 +214,8 @@ class Trainer:
                 self._publish_task = asyncio.create_task(self.publish(captured, metrics, t0, group_ids))
             await self._settle_published()
         finally:
-            self.state = "stopped" if not (self.settings.max_steps and self.step >= self.settings.max_steps) else "finished"
+            done = bool(self.settings.max_steps and self.step >= self.settings.max_steps)
+            self.state = "finished" if done else "stopped"
             self.finished.set()
 
     async def wait_published(self) -> None:
@@ -276,7 +279,9 @@ class Trainer:
         """Check that Redis still holds the run (its epoch key); if it lost the data, create the
         streams again and reconcile at once. Reconcile every reconcile_every_s anyway: an AOF
         restart can lose the last second of writes without losing the epoch."""
-        if not await self.coord.check_epoch(self.ledger.epoch):
+        epoch = self.ledger.epoch
+        assert epoch is not None, "the ledger is opened before the run is maintained"
+        if not await self.coord.check_epoch(epoch):
             if self._ledger_existed or self.version or self.step:
                 self.redis_data_losses += 1
                 log.warning("Redis lost run %r's data: creating its streams again and re-enqueueing every "
@@ -359,8 +364,8 @@ class Trainer:
         try:
             await self._registry(lambda: self._put_patch(target, patch, header, _jsonable(metrics)))
             if captured.state is not None:
-                data = await asyncio.to_thread(save_snapshot, self._cpu(captured.state), run=self.settings.run,
-                                               version=target)
+                data = await asyncio.to_thread(save_snapshot, self._cpu(captured.state),
+                                               run=self.settings.run, version=target)
                 await self._registry(lambda: self.registry.publish_snapshot(target, data))
         except RegistryHTTPError as exc:
             self.last_error = str(exc)
@@ -380,7 +385,8 @@ class Trainer:
                  metrics["step"], target, metrics["reward_mean"], metrics["accuracy"],
                  100 * metrics["changed_fraction"], len(patch), metrics["payload_ratio"])
 
-    async def _put_patch(self, target: int, patch: bytes, header: PatchHeader, metrics: dict[str, Any]) -> None:
+    async def _put_patch(self, target: int, patch: bytes, header: PatchHeader,
+                         metrics: dict[str, Any]) -> None:
         try:
             await self.registry.publish_patch(target, patch, metrics=metrics)
         except RegistryHTTPError as exc:

@@ -20,12 +20,12 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from services.trainer.batching import TrainBatch, collate
 from services.trainer.evaluation import evaluate
@@ -153,13 +153,13 @@ class Learner:
         self.step += 1
         loss_sum, clip_sum, kl_sum, kl_tokens = self._sum(totals).tolist()
 
-        kept = corrections.keep_token.sum().clamp(min=1)
+        kept_all = float(corrections.keep_token.sum().clamp(min=1))
         gain: dict[str, float] = {}
         if s.measure_batch_gain:
             with torch.no_grad():
                 logp_after = self._logprobs_all(self.model, batch)
             moved = (logp_after - logp_old) * advantages[:, None] * corrections.keep_token
-            gain["batch_gain"] = float(moved.sum() / kept)
+            gain["batch_gain"] = float(moved.sum()) / kept_all
         if logp_ref is not None:
             gain["kl_ref"] = kl_sum / max(kl_tokens, 1.0)  # per kept token, whatever the micro-batching
         lengths = batch.attention_mask.sum(dim=1).float()
@@ -174,13 +174,14 @@ class Learner:
             "accuracy": float(batch.correct.float().mean()),
             "loss": loss_sum / updates,
             "grad_norm": sum(grad_norms) / len(grad_norms),
-            "clip_fraction": clip_sum / float(kept),
+            "clip_fraction": clip_sum / kept_all,
             "completion_tokens_mean": float(completion_lengths.mean()),
             # Monte-Carlo estimate of the dense policy's per-token entropy: mean −log π_old of the
             # sampled tokens (exact in expectation for on-policy samples; ξ ≈ 1 keeps it close).
             "entropy": float(-(logp_old * mask).sum() / mask.sum().clamp(min=1)),
             # KV the samplers kept vs what a dense cache holds at the end of each sequence.
-            "kv_saved": float(1 - batch.kv_peak_tokens.sum() / lengths.sum()) if batch.kv_peak_tokens.sum() > 0 else 0.0,
+            "kv_saved": (float(1 - batch.kv_peak_tokens.sum() / lengths.sum())
+                         if batch.kv_peak_tokens.sum() > 0 else 0.0),
             "kv_peak_bytes_mean": float(batch.kv_peak_bytes.mean()),
             "staleness": {str(k): v for k, v in batch.staleness(version).items()},
             "by_staleness": self._by_staleness(batch, version, logp_old),
@@ -203,8 +204,8 @@ class Learner:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP
 
-    def _loss(self, batch: TrainBatch, rows: torch.Tensor, logp_old: torch.Tensor, logp_ref: torch.Tensor | None,
-              advantages: torch.Tensor, corrections: Corrections,
+    def _loss(self, batch: TrainBatch, rows: torch.Tensor, logp_old: torch.Tensor,
+              logp_ref: torch.Tensor | None, advantages: torch.Tensor, corrections: Corrections,
               normalizer: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         logp_new = self._logprobs_local(self.model, batch, rows)
         return grpo_loss(logp_new, logp_old[rows], batch.logp_sampler[rows], advantages[rows],
@@ -212,7 +213,8 @@ class Learner:
                          logp_ref=None if logp_ref is None else logp_ref[rows],
                          corrections=corrections.rows(rows), normalizer=normalizer)
 
-    def _by_staleness(self, batch: TrainBatch, version: int, logp_old: torch.Tensor) -> dict[str, dict[str, float]]:
+    def _by_staleness(self, batch: TrainBatch, version: int,
+                      logp_old: torch.Tensor) -> dict[str, dict[str, float]]:
         versions = torch.tensor(batch.policy_versions, device=self.device)[batch.group_index]
         out = {}
         for lag in sorted(set(batch.staleness(version))):
@@ -243,7 +245,7 @@ class Learner:
     def evaluate(self, tokenizer: PreTrainedTokenizerBase, task: Task, prompts: list[tuple[str, str]],
                  seed: int) -> dict[str, float]:
         """Held-out T = 1 accuracy of the policy now (evaluation.evaluate)."""
-        return evaluate(self.model, tokenizer, task, prompts, sample=True, seed=seed)
+        return evaluate(cast(PreTrainedModel, self.model), tokenizer, task, prompts, sample=True, seed=seed)
 
     # -- published weights --
 
@@ -275,9 +277,7 @@ class Learner:
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, tensor in state.items():
-                target = params.get(name)
-                if target is None:
-                    target = self.model.get_buffer(name)
+                target: torch.Tensor = params[name] if name in params else self.model.get_buffer(name)
                 target.copy_(tensor.to(target.device, target.dtype))
         self._init_published()
 
@@ -301,8 +301,7 @@ class Learner:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             dcp.load(state, checkpoint_id=directory)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=model, optim_state_dict=optim)
         counters = torch.load(directory / "learner.pt", weights_only=False)
         self.step = counters["step"]
         self.shuffle.set_state(counters["shuffle"])
