@@ -147,8 +147,8 @@ def test_cuda_matches_cpu(policy: str) -> None:
     _, ours = tiny_pair("qwen3")
     gpu = LLMEngine(ours, device="cuda").generate(PROMPTS, params, kv)
     for c, g in zip(cpu, gpu, strict=True):
-        assert g.token_ids[:8] == c.token_ids[:8]
-        assert g.logprobs[:8] == pytest.approx(c.logprobs[:8], abs=1e-3)
+        assert g.token_ids == c.token_ids  # every token of the 32, greedy in fp32
+        assert g.logprobs == pytest.approx(c.logprobs, abs=1e-3)
         assert g.kv == c.kv  # stats depend only on lengths and the budget
 
 
