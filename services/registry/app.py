@@ -144,7 +144,8 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
         should fetch each of them from (shared.relay)."""
         return await registry.announce_peer(run, worker, body)
 
-    @app.delete("/v1/runs/{run}/peers/{worker}", dependencies=[Depends(require_token)], responses=writes)
+    @app.delete("/v1/runs/{run}/peers/{worker}", dependencies=[Depends(require_token)],
+                responses=writes | error_responses(404))
     async def leave_peer(run: Run, worker: str) -> dict[str, str]:
         await registry.leave_peer(run, worker)
         return {"left": worker}

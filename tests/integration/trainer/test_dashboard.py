@@ -91,6 +91,9 @@ def test_dashboard_shows_live_data_and_the_demo_stops_on_ctrl_c(tmp_path: Path, 
             browser, "return document.querySelectorAll('#versions tbody tr').length === 4", 30, "4 versions"
         )
 
+        # The trainer samples worker throughput every 5 s: the chart waits for a sample with the worker.
+        _wait(browser, "return [...document.querySelectorAll('#chart-throughput path')]"
+                       ".some(p => p.dataset.name === 'demo-worker-1')", 20, "a throughput sample")
         # Charts render: line charts have a path through every step, the patch chart a bar per patch.
         paths = browser.execute_script("""
             const out = {};
