@@ -39,7 +39,7 @@ from services.registry.retention import retain
 from services.registry.runs import RunState, object_ref, piece_hashes, stored
 from services.registry.settings import RegistrySettings
 from shared.coord.keys import Keys
-from shared.patch import apply_patch, load_snapshot, read_header, save_snapshot, verify_chunks
+from shared.patch import apply_patch, dense_bytes, load_snapshot, read_header, save_snapshot, verify_chunks
 from shared.registry.wire import MODEL_FILES, Manifest, ObjectRef, Plan
 from shared.relay import WORKER_ID, PeerAnnouncement, PeerList
 from shared.storage import ObjectNotFound, ObjectStorage
@@ -49,10 +49,6 @@ log = logging.getLogger(__name__)
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 OBJECT_FOLDERS = ("patches/", "snapshots/", "manifests/", "merged/", "model/")
 KEY_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")  # every name the registry writes
-
-
-def dense_bytes(state: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
 
 
 class RedisAnnouncer:

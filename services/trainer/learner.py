@@ -32,7 +32,7 @@ from services.trainer.evaluation import evaluate
 from services.trainer.loss import Corrections, grpo_advantages, grpo_loss, sparse_rl_corrections
 from services.trainer.rollout_math import token_logprobs
 from services.trainer.settings import TrainerSettings
-from shared.patch import extract_patch, fingerprint
+from shared.patch import dense_bytes, extract_patch, fingerprint
 from shared.schemas import Trajectory
 from shared.tasks import Task
 
@@ -252,7 +252,7 @@ class Learner:
     def _init_published(self) -> None:
         self.published = published_state(self.model)  # the bf16 weights published last
         self.numel = sum(t.numel() for t in self.published.values())
-        self.dense_bytes = sum(t.numel() * t.element_size() for t in self.published.values())
+        self.dense_bytes = dense_bytes(self.published)
         self.published_fingerprint = fingerprint(self.published)
 
     def published_state(self) -> dict[str, torch.Tensor]:

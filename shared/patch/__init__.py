@@ -4,7 +4,7 @@ Public API (contract: docs/internals.md; byte format: docs/patch-format.md).
 """
 
 from .apply import apply_patch
-from .codec import extract_patch
+from .codec import dense_bytes, extract_patch
 from .errors import (
     CorruptPatchError,
     FormatError,
@@ -54,6 +54,7 @@ __all__ = [
     "WrongBaseError",
     "apply_patch",
     "chunk_checksum",
+    "dense_bytes",
     "extract_patch",
     "fingerprint",
     "header_size",

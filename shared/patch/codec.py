@@ -351,6 +351,11 @@ def diff_states(
     return raws
 
 
+def dense_bytes(state: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of a whole state, dense: what a patch is measured against."""
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
 def extract_patch(
     old: Mapping[str, torch.Tensor],
     new: Mapping[str, torch.Tensor],
@@ -377,7 +382,7 @@ def extract_patch(
     return build_patch(
         entropy_code(raws), run=run, base_version=base_version, base_fingerprint=base_fp,
         target_version=target_version, target_fingerprint=target_fp, chunk_bytes=chunk_bytes,
-        dense_bytes=sum(t.numel() * t.element_size() for t in new.values()),
+        dense_bytes=dense_bytes(new),
         numel=sum(t.numel() for t in new.values()),
     )
 
