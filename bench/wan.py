@@ -531,6 +531,11 @@ def main() -> None:
     parser.add_argument("--gen", type=int, default=1024, help="decode steps per batch (one trainer step)")
     parser.add_argument("--only", nargs="*", help="run only arms whose name contains one of these")
     parser.add_argument("--relay", action="store_true", help="the relay fan-out measurement only")
+    parser.add_argument("--relay-link", choices=["1gbit", "100mbit"], default="1gbit",
+                        help="relay: the rate of the registry uplink and of every worker's link")
+    parser.add_argument("--relay-modes", nargs="*", choices=["direct", "relay", "relay-kill"],
+                        help="relay: run only these (default all)")
+    parser.add_argument("--profile-worker", type=int, help="relay: cProfile this worker in the relay run")
     parser.add_argument("--keep-raw", action="store_true", help="keep every batch and sync in the JSON")
     parser.add_argument("--resume", action="store_true", help="keep the runs already in --out, run the rest")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/wan-cpu.json")

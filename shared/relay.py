@@ -4,15 +4,21 @@ Every worker downloading from the registry makes the registry's uplink carry the
 once per worker. With a Relay on its client (`client.downloader.relay = Relay(...)`), a worker instead:
 
 1. announces to the registry the objects it holds or is fetching (`PUT /v1/runs/{run}/peers/{id}`,
-   with the token); the answer lists, per object, up to a few peers that announced it earlier,
-   the least used first (so no single peer serves everyone), never the worker itself;
-2. keeps each download in its `Holdings` from the start: a peer asking for a piece gets it as soon
-   as its sha256 has been verified here (`GET /v1/relay/{run}/piece?key=&index=`, answered by
-   `relay_app`, waiting up to `wait_s` for a piece still on its way, 404 after that);
-3. fetches each piece from one of the listed peers (spread by piece index) and checks it by its
-   sha256 from the registry's plan, exactly as a piece from the registry. A peer that is slow (no
-   answer within `piece_timeout_s`), dies, refuses (does not hold the object: behind on versions)
-   or lies (wrong bytes) is dropped for that object, and the piece comes from the registry.
+   with the token); the answer lists, per object, a peer to fetch from and a few fallbacks, never
+   the worker itself. The registry hands each holder out as first choice to as few askers as it
+   can (services/registry/peers.py): workers that ask together for a new version form a pipeline,
+   registry → first asker → second → ..., so the registry sends one copy and every link carries
+   the object once in each direction;
+2. keeps each download in its `Holdings` from the start and serves it while still downloading
+   (cut-through): `GET /v1/relay/{run}/pieces?key=&first=&last=` (`relay_app`) answers one stream
+   of the pieces first..last-1 in order, each sent from memory as soon as its sha256 has been
+   verified here (a wait, woken by the verification, not a poll), ending early at a piece that is
+   not verified within `wait_s`; 404 if the object (or its first piece within wait_s) is not held;
+3. asks its first peer for all the pieces it lacks in one streamed request and checks each piece
+   by its sha256 from the registry's plan as it lands, exactly as a piece from the registry. A
+   peer that is slow (no byte within `piece_timeout_s`), dies, refuses (does not hold the object:
+   behind on versions), stops early or lies (wrong bytes) is dropped for that object; the rest
+   comes from the next peer listed, then from the registry.
 
 Weights still change only after every byte is verified against the registry's hashes, so a peer
 can cost time, never correctness. Peers serve anonymously: they hand out only what a plan from
@@ -24,8 +30,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,28 +84,25 @@ class Holdings:
     def keys(self, run: str) -> list[str]:
         return [key for (r, key) in self._objects if r == run]
 
-    async def piece(self, run: str, key: str, index: int, wait_s: float) -> bytes | None:
-        """Piece `index` of an object once verified here; None if not held or not in by wait_s.
-        IndexError for an index outside the object."""
-        download = self._objects.get((run, key))
-        if download is None:
-            return None
-        if not 0 <= index < len(download.done):
-            raise IndexError(f"{key} has {len(download.done)} pieces")
-        deadline = time.monotonic() + wait_s
-        # Polled: the download may run on another event loop (a server thread) than this request.
-        while not download.done[index]:
-            if time.monotonic() >= deadline or (run, key) not in self._objects:
-                return None
-            await asyncio.sleep(0.01)
-        start, end = download.piece_range(index)
-        data = bytes(download.buffer[start:end])
-        self.served_pieces += 1
-        self.served_bytes += len(data)
-        return data
+    def find(self, run: str, key: str) -> _Download | None:
+        return self._objects.get((run, key))
+
+    async def stream(
+        self, download: _Download, first: int, last: int, wait_s: float
+    ) -> AsyncIterator[memoryview]:
+        """Pieces first..last-1 in order, each as soon as it is verified here (views of the
+        receive buffer: no copy); stops at a piece not verified within wait_s."""
+        view = memoryview(download.buffer)
+        for i in range(first, last):
+            if not await download.wait_piece(i, wait_s):
+                return
+            start, end = download.piece_range(i)
+            self.served_pieces += 1
+            self.served_bytes += end - start
+            yield view[start:end]
 
 
-RELAY_PATH = "/v1/relay/{run}/piece"
+RELAY_PATH = "/v1/relay/{run}/pieces"
 
 
 def relay_app(holdings: Holdings, wait_s: float = 5.0) -> Any:
@@ -112,25 +115,29 @@ def relay_app(holdings: Holdings, wait_s: float = 5.0) -> Any:
 
 
 def relay_endpoint(holdings: Holdings, wait_s: float = 5.0) -> Any:
-    """GET RELAY_PATH?key=&index=: a verified piece (200), 404 if not held here within wait_s,
-    416 for an index outside the object, 422 for a malformed index."""
+    """GET RELAY_PATH?key=&first=&last=: pieces first..last-1 (last defaults to first + 1) as one
+    stream, each sent once verified here; it ends early at a piece not verified within wait_s.
+    404 if the object, or its first piece within wait_s, is not held here; 416 for a range outside
+    the object; 422 for a malformed one."""
     from starlette.requests import Request
-    from starlette.responses import JSONResponse, Response
+    from starlette.responses import JSONResponse, Response, StreamingResponse
 
-    async def piece(request: Request) -> Response:
+    async def pieces(request: Request) -> Response:
         run, key = request.path_params["run"], request.query_params.get("key", "")
         try:
-            index = int(request.query_params.get("index", ""))
-            data = await holdings.piece(run, key, index, wait_s)
+            first = int(request.query_params.get("first", ""))
+            last = int(request.query_params.get("last", first + 1))
         except ValueError:
-            return JSONResponse({"detail": "index must be an integer"}, status_code=422)
-        except IndexError as exc:
-            return JSONResponse({"detail": str(exc)}, status_code=416)
-        if data is None:
-            return JSONResponse({"detail": f"piece {index} of {key!r} is not held here"}, status_code=404)
-        return Response(data, media_type="application/octet-stream")
+            return JSONResponse({"detail": "first and last must be integers"}, status_code=422)
+        download = holdings.find(run, key)
+        if download is not None and not 0 <= first < last <= len(download.done):
+            return JSONResponse({"detail": f"{key} has {len(download.done)} pieces"}, status_code=416)
+        if download is None or not await download.wait_piece(first, wait_s):
+            return JSONResponse({"detail": f"piece {first} of {key!r} is not held here"}, status_code=404)
+        return StreamingResponse(holdings.stream(download, first, last, wait_s),
+                                 media_type="application/octet-stream")
 
-    return piece
+    return pieces
 
 
 # --- fetching through peers ----------------------------------------------------------------------
@@ -141,6 +148,7 @@ class RelayStats:
     peer_pieces: int = 0
     registry_pieces: int = 0
     dropped: dict[str, int] = field(default_factory=dict)  # reason → peers dropped for an object
+    peers: dict[str, list[str]] = field(default_factory=dict)  # the latest fetch: key → peers listed
 
     def drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
@@ -160,6 +168,21 @@ class PeerFailed(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+def _runs(done: list[bool]) -> list[tuple[int, int]]:
+    """The runs [first, last) of pieces not yet verified."""
+    runs, i, n = [], 0, len(done)
+    while i < n:
+        if done[i]:
+            i += 1
+            continue
+        last = i + 1
+        while last < n and not done[last]:
+            last += 1
+        runs.append((i, last))
+        i = last
+    return runs
 
 
 class Relay:
@@ -215,6 +238,7 @@ class Relay:
         except (httpx.HTTPError, RegistryHTTPError) as exc:
             log.warning("peer announcement failed (%s); fetching from the registry", exc)
             peers = {}
+        self.stats.peers = {d.ref.key: list(peers.get(d.ref.key, [])) for d in downloads}
         direct = [d for d in downloads if not peers.get(d.ref.key)]
         relayed = [d for d in downloads if peers.get(d.ref.key)]
         jobs = [self._fetch_relayed(downloader, d, list(peers[d.ref.key])) for d in relayed]
@@ -223,49 +247,64 @@ class Relay:
         await _all(jobs)
 
     async def _fetch_relayed(self, downloader: Downloader, download: _Download, peers: list[str]) -> None:
-        pending = deque(i for i, done in enumerate(download.done) if not done)
-        good = peers
+        """Everything missing from the first peer in one stream; what it fails to deliver from the
+        next, then from the registry."""
+        for peer in peers:
+            try:
+                for first, last in _runs(download.done):
+                    await self._stream(downloader, peer, download, first, last)
+                return
+            except PeerFailed as exc:
+                log.warning("peer %s dropped for %s (%s)", peer, download.ref.key, exc.reason)
+                self.stats.drop(exc.reason)
+        missing = download.done.count(False)
+        if missing:
+            await downloader.fetch_direct([download])
+            self.stats.registry_pieces += missing
 
-        def drop(peer: str, reason: str) -> None:
-            if peer in good:  # streams in flight to it at once report it once
-                log.warning("peer %s dropped for %s (%s)", peer, download.ref.key, reason)
-                self.stats.drop(reason)
-                good.remove(peer)
-
-        async def stream(k: int) -> None:
-            while pending:
-                i = pending.popleft()
-                while good:
-                    peer = good[(i + k) % len(good)]
-                    try:
-                        await self._from_peer(downloader, peer, download, i)
-                    except PeerFailed as exc:
-                        drop(peer, exc.reason)
-                        continue
-                    if await downloader._verify_piece(download, i, refetch=False):
-                        self.stats.peer_pieces += 1
-                        break
-                    drop(peer, "wrong piece")
-                else:
-                    await downloader._receive(download, i, i + 1)
-                    await downloader._verify_piece(download, i)
-                    self.stats.registry_pieces += 1
-
-        await _all([stream(k) for k in range(downloader.transport.streams)])
-
-    async def _from_peer(self, downloader: Downloader, peer: str, download: _Download, i: int) -> None:
-        start, end = download.piece_range(i)
+    async def _stream(self, downloader: Downloader, peer: str, download: _Download, first: int,
+                      last: int) -> None:
+        """Pieces first..last-1 from one peer's stream, straight into the buffer, each hashed in a
+        thread as soon as its last byte lands while the stream keeps receiving."""
+        start, end = download.piece_range(first)[0], download.piece_range(last - 1)[1]
+        offset, next_piece = start, first
+        checks: list[asyncio.Task[bool]] = []
+        failure: str | None = None
+        url = f"{peer}/v1/relay/{downloader.transport.run}/pieces"
+        params: dict[str, str | int] = {"key": download.ref.key, "first": first, "last": last}
         try:
-            async with asyncio.timeout(self.piece_timeout_s):
-                response = await self._http.get(f"{peer}/v1/relay/{downloader.transport.run}/piece",
-                                                params={"key": download.ref.key, "index": i})
-        except TimeoutError as exc:
-            raise PeerFailed("slow") from exc
+            async with asyncio.timeout(self.piece_timeout_s) as deadline:
+                async with self._http.stream("GET", url, params=params) as response:
+                    if response.status_code != 200:
+                        raise PeerFailed(f"answered {response.status_code}")
+                    async for chunk in response.aiter_raw():
+                        # "Slow" is no byte for piece_timeout_s, not a slow whole transfer.
+                        deadline.reschedule(asyncio.get_running_loop().time() + self.piece_timeout_s)
+                        size = len(chunk)
+                        if offset + size > end:
+                            raise PeerFailed("wrong length")
+                        download.buffer[offset : offset + size] = chunk
+                        offset += size
+                        downloader.transport.counters.bytes += size
+                        while next_piece < last and download.piece_range(next_piece)[1] <= offset:
+                            checks.append(asyncio.create_task(
+                                downloader._verify_piece(download, next_piece, refetch=False)))
+                            next_piece += 1
+                        if any(c.done() and not c.result() for c in checks):
+                            break  # a lie: stop taking its bytes
+        except PeerFailed as exc:
+            failure = exc.reason
+        except TimeoutError:
+            failure = "slow"
+        except httpx.TimeoutException:
+            failure = "slow"
         except httpx.HTTPError as exc:
-            raise PeerFailed(f"unreachable: {type(exc).__name__}") from exc
-        if response.status_code != 200:
-            raise PeerFailed(f"answered {response.status_code}")
-        if len(response.content) != end - start:
-            raise PeerFailed("wrong length")
-        download.buffer[start:end] = response.content
-        downloader.transport.counters.bytes += end - start
+            failure = f"unreachable: {type(exc).__name__}"
+        verified = await asyncio.gather(*checks)
+        self.stats.peer_pieces += sum(verified)
+        if not all(verified):
+            failure = "wrong piece"
+        elif failure is None and offset < end:
+            failure = "stopped early"  # the peer did not have a piece within its wait
+        if failure is not None:
+            raise PeerFailed(failure)

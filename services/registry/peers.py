@@ -1,10 +1,14 @@
 """Which workers hold which objects (relay fan-out, shared.relay), kept in the registry's memory.
 
 A worker announces the objects it holds or is fetching; the answer lists, per object, up to
-`max_listed` other live peers, those handed out least often for that object first (then the
-earliest to announce it), so the load of serving spreads over the peers instead of falling on the
-first one. Announcements expire after `ttl_s`: a worker that stops announcing (dead, gone) drops
-out. A restart forgets everything; workers then fetch from the registry until they announce again.
+`max_listed` other live peers. The first is the one the worker fetches from (the others are
+fallbacks): the holder handed out first least often for that object, the newest to announce it
+on a tie. Workers that ask together for a new version so form a pipeline (registry → first asker
+→ second → ...): each holder serves one peer, so the registry sends one copy and no worker's
+uplink carries the object more than once, while each forwards pieces as they verify. Fallbacks
+are the next holders in the same order. Announcements expire after `ttl_s`: a worker that stops
+announcing (dead, gone) drops out. A restart forgets everything; workers then fetch from the
+registry until they announce again.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ class Peer:
 @dataclass
 class _RunPeers:
     peers: dict[str, Peer] = field(default_factory=dict)
-    handed: dict[tuple[str, str], int] = field(default_factory=dict)  # (key, worker) → times listed
+    handed: dict[tuple[str, str], int] = field(default_factory=dict)  # (key, worker) → times listed first
 
 
 class PeerDirectory:
@@ -45,7 +49,7 @@ class PeerDirectory:
 
     def _candidates(self, state: _RunPeers, key: str, exclude: str | None) -> list[str]:
         holders = [(w, p) for w, p in state.peers.items() if key in p.objects and w != exclude]
-        holders.sort(key=lambda wp: (state.handed.get((key, wp[0]), 0), wp[1].objects[key]))
+        holders.sort(key=lambda wp: (state.handed.get((key, wp[0]), 0), -wp[1].objects[key]))
         return [w for w, _ in holders[: self.max_listed]]
 
     def announce(self, run: str, worker: str, url: str, objects: list[str]) -> dict[str, list[str]]:
@@ -55,8 +59,8 @@ class PeerDirectory:
         answer: dict[str, list[str]] = {}
         for key in objects:
             chosen = self._candidates(state, key, worker)
-            for w in chosen:
-                state.handed[(key, w)] = state.handed.get((key, w), 0) + 1
+            if chosen:  # only the first is fetched from; the others are fallbacks
+                state.handed[(key, chosen[0])] = state.handed.get((key, chosen[0]), 0) + 1
             answer[key] = [state.peers[w].url for w in chosen]
         now = self._clock()
         old = state.peers.get(worker)

@@ -15,7 +15,7 @@ import mmap
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -69,6 +69,11 @@ class TokenBucket:
                 await self._sleep(-self._tokens / self.rate)
 
 
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 @dataclass
 class _Download:
     """One object being fetched: its buffer, which pieces are verified, and an optional part file."""
@@ -77,10 +82,39 @@ class _Download:
     buffer: mmap.mmap
     done: list[bool]
     part: Path | None = None
+    # Peers waiting for a piece to be verified (shared.relay), each on its own event loop: a
+    # relay endpoint may serve from a server thread while this download runs on another loop.
+    _waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = field(default_factory=list)
 
     def piece_range(self, i: int) -> tuple[int, int]:
         start = i * self.ref.piece_bytes
         return start, min(start + self.ref.piece_bytes, self.ref.size)
+
+    def mark_done(self, i: int) -> None:
+        """Piece i is verified: record it and wake whoever waits for a piece."""
+        self.done[i] = True
+        waiters, self._waiters = self._waiters, []
+        for loop, future in waiters:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_wake, future)
+
+    async def wait_piece(self, i: int, timeout_s: float) -> bool:
+        """True once piece i is verified here; False if it is not within timeout_s."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.done[i]:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            future = loop.create_future()
+            self._waiters.append((loop, future))
+            if self.done[i]:  # verified between the check and the append: no wake-up is coming
+                break
+            try:
+                await asyncio.wait_for(future, remaining)
+            except TimeoutError:
+                return False
+        return True
 
 
 def _sha256(data: bytes | memoryview | bytearray) -> str:
@@ -183,7 +217,7 @@ class Downloader:
                         os.pwrite(fd, piece, start)
                     finally:
                         os.close(fd)
-                download.done[i] = True
+                download.mark_done(i)
                 self.transport.counters.pieces += 1
                 return True
             log.warning("piece %d of %s failed its sha256 (try %d)", i, download.ref.key, verification + 1)

@@ -156,7 +156,7 @@ async def test_dead_slow_and_behind_peers_cost_a_retry(url: str, chain: Chain, p
         await asyncio.sleep(3)
         return Response(b"")
 
-    slow_url = peers.enter_context(serve_app(Starlette(routes=[Route("/v1/relay/{run}/piece", stall)])))
+    slow_url = peers.enter_context(serve_app(Starlette(routes=[Route("/v1/relay/{run}/pieces", stall)])))
     await announce(url, "slow", slow_url, ["patches/1-2.patch"])
     async with worker(url, "f", peers, piece_timeout_s=0.3) as f:
         state = clone(chain.states[1])
@@ -174,3 +174,100 @@ async def test_announcements_need_the_token_and_valid_keys(url: str) -> None:
             response = await http.put(f"/v1/runs/{RUN}/peers/{name}", json=payload, headers=AUTH)
             assert response.status_code == 422, response.text
         assert (await http.delete(f"/v1/runs/{RUN}/peers/w1", headers=AUTH)).status_code == 404
+
+
+def held(ref_key: str, data: bytes, piece_bytes: int, verified: int | None = None) -> _Download:
+    """A download of `data` whose first `verified` pieces (all by default) are verified."""
+    from shared.registry.wire import ObjectRef
+
+    n = -(-len(data) // piece_bytes)
+    ref = ObjectRef(key=ref_key, size=len(data), piece_bytes=piece_bytes, pieces=["0" * 64] * n)
+    download = _Download(ref, mmap.mmap(-1, len(data)), [False] * n)
+    download.buffer[:] = data
+    for i in range(n if verified is None else verified):
+        download.mark_done(i)
+    return download
+
+
+async def test_a_stream_sends_each_piece_as_it_is_verified_and_ends_at_a_missing_one(
+    peers: ExitStack
+) -> None:
+    """Cut-through: a peer still downloading answers one stream of the pieces asked for, each as
+    soon as it verifies (woken, across threads, not polled), and ends early at a piece that does
+    not verify within its wait."""
+    data = bytes(range(256)) * 64  # 4 pieces of 4096 bytes
+    holdings = Holdings()
+    download = held("patches/0-1.patch", data, 4096, verified=0)
+    holdings.add(RUN, download)
+    peer = peers.enter_context(serve_app(relay_app(holdings, wait_s=1.0)))
+    got: list[tuple[float, int]] = []
+    async with httpx.AsyncClient() as http:
+        params = {"key": "patches/0-1.patch", "first": 0, "last": 4}
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        for i in range(3):  # verified one by one, 0.2 s apart (the first after the ask); piece 3 never
+            loop.call_later(0.2 * (i + 1), download.mark_done, i)
+        async with http.stream("GET", f"{peer}/v1/relay/{RUN}/pieces", params=params) as response:
+            body = b""
+            async for chunk in response.aiter_bytes():
+                body += chunk
+                got.append((loop.time() - t0, len(body)))
+        assert response.status_code == 200
+    assert body == data[: 3 * 4096]  # the missing piece ended the stream, cleanly
+    # Each piece left as soon as it verified (0.2, 0.4, 0.6 s), not after the whole run.
+    first_full = next(t for t, n in got if n >= 4096)
+    assert 0.15 <= first_full < 0.35 and got[-1][0] >= 0.55, got
+    assert holdings.served_pieces == 3
+    async with httpx.AsyncClient() as http:
+        url = f"{peer}/v1/relay/{RUN}/pieces"
+        outside = {"key": "patches/0-1.patch", "first": 2, "last": 9}
+        assert (await http.get(url, params=outside)).status_code == 416
+        assert (await http.get(url, params={"key": "patches/0-1.patch", "first": 3})).status_code == 404
+        assert (await http.get(url, params={"key": "other", "first": 0})).status_code == 404
+
+
+async def test_a_peer_dying_or_stalling_mid_stream_costs_only_the_rest(
+    url: str, chain: Chain, peers: ExitStack
+) -> None:
+    """A serving peer killed mid-transfer (its stream breaks) or stuck behind (its stream ends
+    early): the pieces already verified from it are kept, only the rest comes from the registry."""
+    async with worker(url, "g", peers) as g:
+        plan = await g.plan(0, 1)
+    ref = plan.steps[0].object
+    data = chain.patches[1]
+    half = len(ref.pieces) // 2
+    assert half >= 1
+
+    stuck = Holdings()
+    stuck.add(RUN, held(ref.key, data, ref.piece_bytes, verified=half))
+    stuck_url = peers.enter_context(serve_app(relay_app(stuck, wait_s=0.3)))
+
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    async def dies(request: Request) -> StreamingResponse:
+        async def body():  # type: ignore[no-untyped-def]
+            yield data[: half * ref.piece_bytes]
+            raise ConnectionResetError("killed")  # the connection drops mid-stream
+
+        return StreamingResponse(body())
+
+    dying_url = peers.enter_context(serve_app(Starlette(routes=[Route("/v1/relay/{run}/pieces", dies)])))
+    for name, peer_url, reason in (("stuck", stuck_url, "stopped early"),
+                                   ("dying", dying_url, "unreachable: RemoteProtocolError")):
+        await announce(url, name, peer_url, [ref.key])
+        async with worker(url, f"after-{name}", peers) as w:
+            before = await served(url)
+            state = clone(chain.states[0])
+            await sync_weights(w, state, 0, target=1)
+            assert same(state, chain.states[1])
+            stats = w.downloader.relay.stats
+            assert stats.dropped == {reason: 1}, stats.dropped
+            assert (stats.peer_pieces, stats.registry_pieces) == (half, len(ref.pieces) - half)
+            assert await served(url) - before == ref.size - half * ref.piece_bytes
+        async with httpx.AsyncClient() as http:  # neither is a peer of the next round
+            for gone in (name, f"after-{name}"):
+                left = await http.delete(f"{url}/v1/runs/{RUN}/peers/{gone}", headers=AUTH)
+                assert left.status_code == 200

@@ -70,9 +70,21 @@ def test_rollout_relay_settings_and_route() -> None:
     settings = RolloutSettings(relay=True, registry_url="http://r:8100", advertise_url="http://w:8200",
                                registry_token="t")
     http = TestClient(create_app(settings))  # no lifespan: no model, only the routes
-    answer = http.get("/v1/relay/run1/piece", params={"key": "patches/0-1.patch", "index": 0})
+    answer = http.get("/v1/relay/run1/pieces", params={"key": "patches/0-1.patch", "first": 0})
     assert answer.status_code == 404 and "not held" in answer.json()["detail"]
-    assert http.get("/v1/relay/run1/piece", params={"key": "k", "index": "x"}).status_code == 422
+    assert http.get("/v1/relay/run1/pieces", params={"key": "k", "first": "x"}).status_code == 422
     plain = TestClient(create_app(RolloutSettings()))
-    missing = plain.get("/v1/relay/run1/piece", params={"key": "k", "index": 0})
+    missing = plain.get("/v1/relay/run1/pieces", params={"key": "k", "first": 0})
     assert missing.status_code == 404 and "not held" not in missing.text  # no relay route at all
+
+
+def test_workers_asking_together_form_a_pipeline() -> None:
+    """Each asker fetches from the newest holder nobody fetches from yet (a pipeline from the
+    registry's one copy: every holder serves one peer), the others listed as fallbacks."""
+    peers = PeerDirectory(max_listed=3)
+    answers = [peers.announce("r", w, f"http://{w}", [KEY])[KEY] for w in "abcdefgh"]
+    assert answers[0] == []
+    assert [urls[0] for urls in answers[1:]] == [f"http://{w}" for w in "abcdefg"]
+    assert answers[3] == ["http://c", "http://b", "http://a"]
+    # A holder that died is skipped by the client; the next asker still gets a fresh holder.
+    assert peers.announce("r", "i", "http://i", [KEY])[KEY][0] == "http://h"
