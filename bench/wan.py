@@ -9,10 +9,10 @@ it from the registry with the real client (parallel ranged streams, every piece 
 
 Generation is TIMED, not computed: 2 CPU cores cannot decode a 1.7B model at GPU speed, so each
 worker replays a decode profile measured on a GPU (ms per decode step at a batch size, from
-bench/results/engine-cuda-1.7b-gen4096-h200.json: an H200; no H100 profile of the 1.7B shape is in
-bench/results/). A batch of `--gen` decode steps runs for gen × ms_per_step and yields batch × gen
+bench/results/engine-cuda-1.7b-gen8192-h100.json: an H100 80GB, dense batch 16 and R-KV at dense's
+KV memory). A batch of `--gen` decode steps runs for gen × ms_per_step and yields batch × gen
 tokens; weights change only between batches. Applying a patch on the GPU is timed too, at the
-mean apply_s that bench.patch measured on the H200 for this shape. The patches are a synthetic
+mean apply_s that bench.patch measured on the H100 for this shape. The patches are a synthetic
 chain of the 1.7B shape (bench/wan_chain.py: one-ulp flips at the changed fraction measured per
 step), so the bytes on the wire are those of a real 1.7B chain within a few percent.
 
@@ -53,8 +53,8 @@ from typing import Any
 from bench.netns import Link, Net
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILE_FILE = "bench/results/engine-cuda-1.7b-gen4096-h200.json"
-APPLY_FILE = "bench/results/patch-cuda-1.7b-h200.json"
+PROFILE_FILE = "bench/results/engine-cuda-1.7b-gen8192-h100.json"
+APPLY_FILE = "bench/results/patch-cuda-1.7b-h100.json"
 TOKEN = "wan-bench-token"
 RUN = "wan"
 REGISTRY_PORT = 8100
@@ -84,7 +84,7 @@ def load_profiles() -> dict[str, Profile]:
     return {
         # A Sparse-RL worker: R-KV at a quarter of the length, as many sequences as the dense KV memory holds.
         "rkv": Profile(f"rkv batch {fixed['batch']}", fixed["batch"], fixed["ms_per_step"], where),
-        # A slower worker: dense KV, batch 8.
+        # A slower worker: dense KV at its own batch.
         "dense": Profile(f"dense batch {dense['batch']}", dense["batch"], dense["ms_per_step"], where),
     }
 
@@ -92,6 +92,10 @@ def load_profiles() -> dict[str, Profile]:
 def apply_seconds() -> float:
     data = json.loads((ROOT / APPLY_FILE).read_text())
     return statistics.mean(s["apply_s"] for s in data["per_step"])
+
+
+def apply_device() -> str:
+    return str(json.loads((ROOT / APPLY_FILE).read_text()).get("device_name", "?"))
 
 
 # --- worker (runs in its namespace) -----------------------------------------------------------
@@ -546,7 +550,13 @@ def main() -> None:
 
             cfg = json.loads(raw)
             job = {"worker": run_worker, "publisher": run_publisher, "relay_worker": relay_worker}[role]
-            Path(cfg["out"]).write_text(json.dumps(asyncio.run(job(cfg))))
+            if role == "relay_worker":  # on uvloop, as a rollout service under uvicorn serves its peers
+                import uvloop
+
+                answer = uvloop.run(job(cfg))
+            else:
+                answer = asyncio.run(job(cfg))
+            Path(cfg["out"]).write_text(json.dumps(answer))
             return
     if os.geteuid() != 0:
         sys.exit("bench.wan needs root (network namespaces and tc)")
@@ -571,9 +581,9 @@ def main() -> None:
     result: dict[str, Any] = {
         "bench": "wan", "command": " ".join(["python -m bench.wan", *sys.argv[1:]]),
         "host": f"{os.cpu_count()} CPU cores (links and transfers), no GPU",
-        "generation": f"TIMED from {PROFILE_FILE} (H200; no H100 1.7B decode profile in bench/results)",
+        "generation": f"TIMED from {PROFILE_FILE} ({profiles['rkv'].source.rsplit('(', 1)[-1].rstrip(')')})",
         "profiles": {k: {**asdict(p), "tokens_per_s": round(p.tokens_per_s, 1)} for k, p in profiles.items()},
-        "apply_s": round(args.apply_s, 4), "apply_source": f"{APPLY_FILE} (H200), timed",
+        "apply_s": round(args.apply_s, 4), "apply_source": f"{APPLY_FILE} ({apply_device()}), timed",
         "chain": json.loads((chain / "chain.json").read_text()), "gen": args.gen, "versions": args.versions,
         "runs": rows, "complete": False,
     }
@@ -681,7 +691,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax2.set_xscale("log")
     ax2.set_xlabel("sync (download) seconds per version, all workers")
     ax2.invert_yaxis()
-    fig.suptitle(f"1.7B shape, generation timed from an H200 profile; {result['host']}")
+    fig.suptitle(f"1.7B shape, {result['generation']}; {result['host']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

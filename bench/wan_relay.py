@@ -46,6 +46,12 @@ def cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds of another process (user + system, from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def host_busy() -> tuple[float, float]:
     """(busy, total) jiffies of the whole host from /proc/stat (idle and iowait are not busy)."""
     fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -55,7 +61,7 @@ def host_busy() -> tuple[float, float]:
 async def relay_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     if not cfg.get("profile"):
         return await _relay_worker(cfg)
-    profiler = cProfile.Profile()
+    profiler = cProfile.Profile(time.thread_time)  # CPU of the event loop's thread, not wall time
     profiler.enable()
     try:
         return await _relay_worker(cfg)
@@ -199,7 +205,7 @@ def run_mode(net: Net, stack: Stack, chain: Path, scratch: Path, name: str, vers
         time.sleep(1.0)
         for v in range(1, versions + 1):
             patch = (chain / "patches" / f"{v}.patch").stat().st_size
-            tx0, served0, busy0 = hub_counters(net), served(net), host_busy()
+            tx0, served0, busy0, reg0 = hub_counters(net), served(net), host_busy(), proc_cpu_s(registry.pid)
             at = publish(net, chain, v)
             killed = None
             if kill and v == 1:  # a quarter of the patch's time on the uplink: mid-transfer
@@ -211,7 +217,7 @@ def run_mode(net: Net, stack: Stack, chain: Path, scratch: Path, name: str, vers
                     raise RuntimeError(f"relay {name}: version {v} not everywhere after 300 s")
                 time.sleep(0.02)
             finished = max(status_done(outs[i], v) or 0.0 for i in alive)
-            busy1 = host_busy()
+            busy1, reg1 = host_busy(), proc_cpu_s(registry.pid)
             cores = (busy1[0] - busy0[0]) / (busy1[1] - busy0[1]) * (os.cpu_count() or 1)
             time.sleep(0.5)  # late counters (retransmits, acks of the last bytes)
             egress, sent = hub_counters(net) - tx0, served(net) - served0
@@ -220,7 +226,7 @@ def run_mode(net: Net, stack: Stack, chain: Path, scratch: Path, name: str, vers
                    "registry_egress_bytes": egress, "registry_bytes_served": sent,
                    "egress_in_patches": round(egress / patch, 3), "killed_worker": killed,
                    # Cores busy on the whole host (every process, other users' too) until all hold v.
-                   "host_busy_cores": round(cores, 2),
+                   "host_busy_cores": round(cores, 2), "registry_cpu_s": round(reg1 - reg0, 2),
                    "load_avg_1m": round(os.getloadavg()[0], 2)}
             print(json.dumps({"mode": name, **row}), flush=True)
             rows.append(row)
@@ -275,12 +281,15 @@ def kill_root(outs: list[Path], procs: list[subprocess.Popen[bytes]], v: int, de
 MODES = ("direct", "relay", "relay-kill")
 
 
-def cpu_per_byte(mode: dict[str, Any]) -> dict[str, float | None]:
-    """Worker CPU per byte received (and per byte served, relayed), over every worker and round
-    but the first (which also pays for starting the receive buffers' pages)."""
+def cpu_per_byte(mode: dict[str, Any]) -> dict[str, Any]:
+    """CPU of the registry and of the workers (per byte received) over every round but the first
+    (which also pays for starting up: imports, first pages of the receive buffers)."""
     rows = [r for w in mode["workers"] for r in w["rounds"] if r["version"] > 1]
     received = sum(r["bytes"] for r in rows)
-    return {"worker_cpu_s": round(sum(r["cpu_s"] for r in rows), 2), "bytes_received": received,
+    versions = [r for r in mode["versions"] if r["version"] > 1]
+    return {"registry_cpu_s": round(sum(r["registry_cpu_s"] for r in versions), 2),
+            "registry_bytes_served": sum(r["registry_bytes_served"] for r in versions),
+            "worker_cpu_s": round(sum(r["cpu_s"] for r in rows), 2), "bytes_received": received,
             "bytes_served": sum(r["served_bytes"] for r in rows),
             "cpu_ns_per_byte_received": round(sum(r["cpu_s"] for r in rows) / received * 1e9, 2)
             if received else None}

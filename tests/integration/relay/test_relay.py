@@ -256,7 +256,7 @@ async def test_a_peer_dying_or_stalling_mid_stream_costs_only_the_rest(
 
     dying_url = peers.enter_context(serve_app(Starlette(routes=[Route("/v1/relay/{run}/pieces", dies)])))
     for name, peer_url, reason in (("stuck", stuck_url, "stopped early"),
-                                   ("dying", dying_url, "unreachable: RemoteProtocolError")):
+                                   ("dying", dying_url, "unreachable: connection lost")):
         await announce(url, name, peer_url, [ref.key])
         async with worker(url, f"after-{name}", peers) as w:
             before = await served(url)
