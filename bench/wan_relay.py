@@ -213,8 +213,8 @@ def run_mode(net: Net, stack: Stack, chain: Path, scratch: Path, name: str, vers
             alive = [i for i in range(len(outs)) if i != killed]
             deadline = time.time() + 300
             while not all(status_done(outs[i], v) for i in alive):
-                if time.time() > deadline:
-                    raise RuntimeError(f"relay {name}: version {v} not everywhere after 300 s")
+                if time.time() > deadline or any(procs[i].poll() is not None for i in alive):
+                    raise RuntimeError(f"relay {name}: version {v} not everywhere (logs in {scratch})")
                 time.sleep(0.02)
             finished = max(status_done(outs[i], v) or 0.0 for i in alive)
             busy1, reg1 = host_busy(), proc_cpu_s(registry.pid)

@@ -34,7 +34,7 @@ import ssl
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 from urllib.parse import quote, urlencode, urlsplit
 
 import httpx
@@ -450,8 +450,8 @@ class Relay:
             raise PeerFailed("unreachable: ConnectError") from exc
         query = urlencode({"key": key, "first": first, "last": last})
         path = f"{url.path.rstrip('/')}/v1/relay/{quote(run, safe='')}/pieces?{query}"
-        assert isinstance(reader.transport, asyncio.WriteTransport)
-        reader.transport.write(f"GET {path} HTTP/1.1\r\nHost: {url.netloc}\r\nConnection: close\r\n\r\n"
+        transport = cast(asyncio.Transport, reader.transport)  # uvloop's is not a subclass of it
+        transport.write(f"GET {path} HTTP/1.1\r\nHost: {url.netloc}\r\nConnection: close\r\n\r\n"
                                .encode("latin-1"))
         try:
             async with asyncio.timeout(self.piece_timeout_s):
