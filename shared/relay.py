@@ -360,8 +360,8 @@ class Relay:
         direct = [d for d in downloads if not peers.get(d.ref.key)]
         relayed = [d for d in downloads if peers.get(d.ref.key)]
         jobs = [self._fetch_relayed(downloader, d, list(peers[d.ref.key])) for d in relayed]
-        if direct:
-            jobs.append(downloader.fetch_direct(direct))
+        if direct:  # this worker heads the pipeline for these: peers stream from it as they verify
+            jobs.append(downloader.fetch_direct(direct, in_order=True))
         await _all(jobs)
 
     async def _fetch_relayed(self, downloader: Downloader, download: _Download, peers: list[str]) -> None:
@@ -377,7 +377,7 @@ class Relay:
                 self.stats.drop(exc.reason)
         missing = download.done.count(False)
         if missing:
-            await downloader.fetch_direct([download])
+            await downloader.fetch_direct([download], in_order=True)
             self.stats.registry_pieces += missing
 
     async def _stream(self, downloader: Downloader, peer: str, download: _Download, first: int,

@@ -244,13 +244,16 @@ class Downloader:
                 download.part.unlink(missing_ok=True)
         return [memoryview(d.buffer)[: d.ref.size] for d in downloads]
 
-    async def fetch_direct(self, downloads: Sequence[_Download]) -> None:
-        """Fill downloads from the registry (the body of download())."""
+    async def fetch_direct(self, downloads: Sequence[_Download], *, in_order: bool = False) -> None:
+        """Fill downloads from the registry (the body of download()). `in_order`: one piece per
+        request, taken in index order, so pieces verify about in order (a relay serving peers
+        while it downloads: they stream in order, and would wait on a piece at the start of
+        another stream's run)."""
         pending = sum(d.done.count(False) for d in downloads)
         share = -(-pending // self.transport.streams)
         queue: asyncio.Queue[tuple[_Download, int, int]] = asyncio.Queue()
         for download in downloads:
-            most = max(1, min(share, RUN_BYTES // download.ref.piece_bytes))
+            most = 1 if in_order else max(1, min(share, RUN_BYTES // download.ref.piece_bytes))
             i, n = 0, len(download.done)
             while i < n:
                 if download.done[i]:
