@@ -273,7 +273,8 @@ class DistributedLearner(Learner):
         self.numel = sum(math.prod(shape) for _, shape in self._meta.values())
         self.dense_bytes = 2 * self.numel
         self.published = {name: local.detach().to(torch.bfloat16, copy=True) for name, local, _, _ in slices}
-        gathered = self._gather(shard_sums([(name, self.published[name], start) for name, _, start, _ in slices]))
+        sums = shard_sums([(name, self.published[name], start) for name, _, start, _ in slices])
+        gathered = self._gather(sums)
         self.published_fingerprint = (
             fingerprint_from_slices(self._meta, _flat(gathered)) if self.rank == 0 else ""
         )
@@ -336,7 +337,9 @@ class DistributedLearner(Learner):
         dist.all_gather(parts, rows.to(self.device))
         return list(torch.stack(parts).cpu().unbind())
 
-    def _all_to_all(self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]) -> list[torch.Tensor]:
+    def _all_to_all(
+        self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]
+    ) -> list[torch.Tensor]:
         """Bytes send[...] split by send_sizes to each rank; returns what each rank sent here (host)."""
         received = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
         dist.all_to_all_single(received, send.to(self.device), recv_sizes, send_sizes)

@@ -126,9 +126,8 @@ def encode_shard(
         at = 0
         for i in members:
             column[i], at = at, at + counts[i]
-        idx = [found[names[i]] for i in members]
-        new_u = to_unsigned(torch.cat([bits(flat_new[names[i]])[j] for i, j in zip(members, idx)]), width)
-        old_u = to_unsigned(torch.cat([bits(flat_old[names[i]])[j] for i, j in zip(members, idx)]), width)
+        new_u = to_unsigned(torch.cat([bits(flat_new[names[i]])[found[names[i]]] for i in members]), width)
+        old_u = to_unsigned(torch.cat([bits(flat_old[names[i]])[found[names[i]]] for i in members]), width)
         delta = sparse_delta(old_u, new_u, width)
         planes[width] = (
             planes_encode(new_u, width).view(width, at),
@@ -234,7 +233,7 @@ def pack_encoded(encoded: Sequence[EncodedTensor], names: Sequence[str]) -> torc
         dtype=torch.int64,
     )
     streams = b"".join(part for e in encoded for part in (e.index, e.payload))
-    body = torch.frombuffer(bytearray(streams), dtype=torch.uint8) if streams else torch.empty(0, dtype=torch.uint8)
+    body = torch.frombuffer(bytearray(streams), dtype=torch.uint8) if streams else table.new_empty(0).byte()
     return torch.cat([table.view(-1).view(torch.uint8), body])
 
 
