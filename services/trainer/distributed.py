@@ -350,7 +350,7 @@ class DistributedLearner(Learner):
         sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world_size)]
         dist.all_gather(sizes, torch.tensor([data.numel()], device=self.device))
         lengths = [int(n) for n in torch.cat(sizes).cpu()]
-        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=self.device)
+        padded = torch.zeros(max(1, *lengths), dtype=torch.uint8, device=self.device)
         padded[: data.numel()] = data.to(self.device)
         out = [torch.empty_like(padded) for _ in lengths] if self.rank == 0 else None
         dist.gather(padded, out, dst=0)

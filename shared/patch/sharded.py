@@ -105,16 +105,20 @@ class ShardEncoding:
 
 
 def encode_shard(
-    old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], offsets: Mapping[str, int]
+    old: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    offsets: Mapping[str, int],
+    *,
+    batched: bool | None = None,
 ) -> ShardEncoding:
     """Changes from `old` to `new` (this process's slices: same names, shapes, dtypes, contiguous)
     where slice `name` starts at element offsets[name] of its flattened tensor. A GPU does a few
     host syncs for the whole shard (the batched compare, the varint passes, one transfer of the
-    per-tensor numbers), not several per tensor."""
+    per-tensor numbers), not several per tensor. `batched`: as codec.changed_indices."""
     names = sorted(new)
     flat_old = {n: old[n].reshape(-1) for n in names}
     flat_new = {n: new[n].reshape(-1) for n in names}
-    found = changed_indices(flat_old, flat_new)
+    found = changed_indices(flat_old, flat_new, batched=batched)
     widths = [new[n].element_size() for n in names]
     device = next(iter(new.values())).device if new else torch.device("cpu")
     counts = [found[n].numel() if n in found else 0 for n in names]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -84,12 +85,21 @@ def _sums(state: dict[str, torch.Tensor], parts: int, seed: int) -> list[SliceSu
 
 
 def _sharded_patch(
-    old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], parts: int, seed: int, meta: Meta, **header
+    old: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+    parts: int,
+    seed: int,
+    meta: Meta,
+    batched: bool | None = None,
+    **header: Any,
 ) -> bytes:
     """What the processes of services/trainer/distributed.py do, with lists for the collectives:
     encode each shard, all-to-all the slices to their owners, entropy-code there, gather on 0."""
     olds, news = _shards(old, parts, seed), _shards(new, parts, seed)
-    encodings = [encode_shard(o, n, offsets) for (o, _), (n, offsets) in zip(olds, news, strict=True)]
+    encodings = [
+        encode_shard(o, n, offsets, batched=batched)
+        for (o, _), (n, offsets) in zip(olds, news, strict=True)
+    ]
     metas = [e.meta for e in encodings]
     owner = owners(metas)
     sent = [e.pack(owner, parts) for e in encodings]
@@ -111,8 +121,9 @@ def _meta(state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.dtype, tuple[
     return {name: (t.dtype, tuple(t.shape)) for name, t in state.items()}
 
 
+@pytest.mark.parametrize("batched", [None, True])  # True: the GPUs' compare, here on the CPU
 @pytest.mark.parametrize(("parts", "seed"), [(1, 0), (2, 1), (3, 2), (8, 3)])
-def test_patch_from_uneven_slices_is_byte_identical(parts: int, seed: int) -> None:
+def test_patch_from_uneven_slices_is_byte_identical(parts: int, seed: int, batched: bool | None) -> None:
     old = _model(seed)
     new = _step(old, seed + 100)
     meta = _meta(new)
@@ -121,7 +132,7 @@ def test_patch_from_uneven_slices_is_byte_identical(parts: int, seed: int) -> No
     assert (base_fp, target_fp) == (fingerprint(old), fingerprint(new))
     full = extract_patch(old, new, run="r", base_version=3, target_version=4, chunk_bytes=512)
     joined = _sharded_patch(
-        old, new, parts, seed, meta, run="r", base_version=3, target_version=4,
+        old, new, parts, seed, meta, batched, run="r", base_version=3, target_version=4,
         base_fingerprint=base_fp, target_fingerprint=target_fp, chunk_bytes=512,
     )
     assert joined == full
