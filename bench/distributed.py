@@ -182,10 +182,12 @@ def run_steps(
     live: dict[str, torch.Tensor],
     device: torch.device,
     worker: RegistryWorker | None,
+    out: Path,
 ) -> list[dict[str, Any]]:
     """The steps on rank 0: rollout, train, capture, patch, then the worker's weights brought to
     it (through the registry, or by applying the patch), and the single-process extractor on the
-    same weights for comparison."""
+    same weights for comparison. The steps so far are written to `out` after each (a run cut
+    short by a time limit still leaves them)."""
     vocab = 256  # prompt tokens from the char tokenizer's range; the model may sample any of its vocabulary
     rows: list[dict[str, Any]] = []
     for step in range(args.steps):
@@ -247,6 +249,7 @@ def run_steps(
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
+        out.write_text(json.dumps({"partial": True, "shape": args.shape, "steps": rows}, indent=1) + "\n")
     return rows
 
 
@@ -312,9 +315,14 @@ def main() -> None:
     engine = LLMEngine.from_pretrained(model_dir, device=device, dtype=torch.bfloat16)
     live = engine.state_dict()
     assert fingerprint(live) == learner.published_fingerprint, "engine and learner start from other weights"
+    card = (args.card or "cpu").lower()
+    out = Path(args.out) if args.out else RESULTS / f"distributed-{args.shape}-{world}x{card}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     with registry_worker(args.registry, engine, model_dir) as worker:
         publish_v0_seconds = worker.publish_v0(live) if worker is not None else None
-        rows = run_steps(args, learner, engine, live, device, worker)
+        print(json.dumps({"load_seconds": load_seconds, "publish_v0_seconds": publish_v0_seconds}),
+              flush=True)
+        rows = run_steps(args, learner, engine, live, device, worker, out)
     if distributed:
         learner.stop_followers()  # type: ignore[attr-defined]
         others = [None] * world
@@ -364,9 +372,6 @@ def main() -> None:
         "all_fingerprints_equal": all(r["worker_fingerprint_equal"] for r in rows),
         "steps": rows,
     }
-    card = (args.card or "cpu").lower()
-    out = Path(args.out) if args.out else RESULTS / f"distributed-{args.shape}-{world}x{card}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "steps"}, indent=1))
     if distributed:
