@@ -336,6 +336,15 @@ def main() -> None:
     gb = learner.dense_bytes / 1e9
     extract = statistics.median(r["extract_seconds"] for r in timed)
     single = statistics.median(r["single_process_extract_seconds"] for r in timed)
+    phases: dict[str, float] = {  # the sharded capture's phases; the worker's publish and sync
+        f"capture_{phase}_seconds": statistics.median(r["capture_phases"][phase] for r in timed)
+        for phase in timed[0]["capture_phases"]
+    }
+    phases |= {
+        key: statistics.median(r[key] for r in timed)
+        for key in ("publish_seconds", "sync_seconds", "apply_seconds")
+        if key in timed[0]
+    }
     result = {
         "shape": args.shape,
         "world_size": world,
@@ -353,15 +362,7 @@ def main() -> None:
             "single_process_extract_seconds_per_gb": single / gb,
             "rollout_seconds": statistics.median(r["rollout_seconds"] for r in timed),
             "build_seconds": statistics.median(r["build_seconds"] for r in timed),
-            **{
-                f"capture_{phase}_seconds": statistics.median(r["capture_phases"][phase] for r in timed)
-                for phase in (timed[0]["capture_phases"] if timed else {})
-            },
-            **{
-                key: statistics.median(r[key] for r in timed)
-                for key in ("publish_seconds", "sync_seconds", "apply_seconds")
-                if timed and key in timed[0]
-            },
+            **phases,
         },
         "registry": args.registry,
         "publish_v0_seconds": publish_v0_seconds,
