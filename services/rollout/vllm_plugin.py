@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from starlette.datastructures import State
     from vllm.engine.protocol import EngineClient
 
-log = logging.getLogger(__name__)
+# Under vLLM's logger tree: vllm serve prints these with its own (it configures only "vllm.*").
+log = logging.getLogger("vllm.sparsecast")
 
 PLUGIN = "sparsecast"  # the entry points' name, what VLLM_PLUGINS must list
 BACKEND = "sparsecast"  # the weight-transfer backend: --weight-transfer-config '{"backend": "sparsecast"}'

@@ -48,7 +48,8 @@ from shared.patch import fingerprint
 from shared.registry.client import RegistryClient
 from shared.registry.sync import SyncResult, WeightTarget, sync_weights
 
-log = logging.getLogger(__name__)
+# Under vLLM's logger tree: vllm serve prints these with its own (it configures only "vllm.*").
+log = logging.getLogger("vllm.sparsecast")
 T = TypeVar("T")
 
 @dataclass
