@@ -7,7 +7,7 @@ import torch
 
 from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
 from services.rollout.engine.attention import CacheAttention
-from services.rollout.engine.kv_cache import KVCache, cache_capacity
+from services.rollout.engine.kv_cache import KVCache, layer_capacities
 from services.rollout.engine.policies import key_redundancy
 from tests.unit.services.rollout.engine.engine_helpers import one_thread, tiny_config
 
@@ -23,7 +23,8 @@ def _drive(kv: KVConfig, prompt_lengths: list[int], steps: int, seed: int = 0,
     gen = torch.Generator().manual_seed(seed)
     batch, width = len(prompt_lengths), max(prompt_lengths)
     cache = KVCache(num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
-                    prompt_lengths=prompt_lengths, capacity=cache_capacity(prompt_lengths, steps, kv), kv=kv,
+                    prompt_lengths=prompt_lengths, capacity=layer_capacities(prompt_lengths, steps, kv, LAYERS),
+                    kv=kv,
                     dtype=torch.float32, device=torch.device("cpu"))
     attention = CacheAttention(cache)
     attention.begin_prefill(width)
@@ -102,7 +103,7 @@ def test_compaction_moves_keys_and_values_with_their_positions() -> None:
     cache = _drive(kv, [3], steps=40, keys=keys)
     n = cache.lengths[0]
     positions = cache.positions[:, 0, :, :n].float()
-    assert torch.equal(cache.k[:, 0, :, :n, 0], positions)
+    assert torch.equal(torch.stack([k[0, :, :n, 0] for k in cache.k]), positions)
 
 
 def test_h2o_keeps_the_heaviest_accumulated_attention() -> None:
