@@ -68,15 +68,16 @@ class KVConfig(BaseModel):
         if self.policy == "dense" and self.layer_budgets != "uniform":
             raise ValueError("per-layer budgets need an evicting policy, not dense")
         if self.policy != "dense" and self.budget < self.min_layer_budget:
-            what = f"exceed sink_tokens {self.sink_tokens}" if self.policy == "streaming" else (
-                f"be at least the window {self.window}")
-            raise ValueError(f"budget {self.budget} must {what}")
+            what = f"the window {self.window}" + (
+                f" + sink_tokens {self.sink_tokens}" if self.policy == "streaming" else "")
+            raise ValueError(f"budget {self.budget} must be at least {what}")
         return self
 
     @property
     def min_layer_budget(self) -> int:
-        """The fewest tokens any layer may keep: the sinks and one more (streaming), else the window."""
-        return self.sink_tokens + 1 if self.policy == "streaming" else self.window
+        """The fewest tokens a layer may keep: every compression keeps the `window` most recent
+        tokens, and streaming its sinks too (a smaller budget would evict some of those)."""
+        return self.window + (self.sink_tokens if self.policy == "streaming" else 0)
 
 
 def layer_budgets(kv: KVConfig, num_layers: int) -> list[int]:

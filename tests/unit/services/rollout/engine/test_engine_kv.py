@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
+from services.rollout.engine.config import layer_budgets
 from services.rollout.engine.attention import CacheAttention
 from services.rollout.engine.kv_cache import KVCache, layer_capacities
 from services.rollout.engine.policies import key_redundancy
@@ -17,18 +18,18 @@ HEADS, KV_HEADS, DIM, LAYERS = 4, 2, 8, 2
 
 
 def _drive(kv: KVConfig, prompt_lengths: list[int], steps: int, seed: int = 0,
-           keys: torch.Tensor | None = None) -> KVCache:
+           keys: torch.Tensor | None = None, layers: int = LAYERS) -> KVCache:
     """Run a cache through prefill and `steps` decode steps with random q/k/v, compressing as the engine
     does."""
     gen = torch.Generator().manual_seed(seed)
     batch, width = len(prompt_lengths), max(prompt_lengths)
-    cache = KVCache(num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
-                    prompt_lengths=prompt_lengths, capacity=layer_capacities(prompt_lengths, steps, kv, LAYERS),
+    cache = KVCache(num_layers=layers, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
+                    prompt_lengths=prompt_lengths, capacity=layer_capacities(prompt_lengths, steps, kv, layers),
                     kv=kv,
                     dtype=torch.float32, device=torch.device("cpu"))
     attention = CacheAttention(cache)
     attention.begin_prefill(width)
-    for layer in range(LAYERS):
+    for layer in range(layers):
         q = torch.randn(batch, HEADS, width, DIM, generator=gen)
         k, v = torch.randn(2, batch, KV_HEADS, width, DIM, generator=gen)
         attention.prefill(layer, q, k, v)
@@ -37,21 +38,22 @@ def _drive(kv: KVConfig, prompt_lengths: list[int], steps: int, seed: int = 0,
     positions = torch.tensor(prompt_lengths)
     for step in range(steps):
         attention.begin_decode(positions)
-        for layer in range(LAYERS):
+        for layer in range(layers):
             q = torch.randn(batch, HEADS, 1, DIM, generator=gen)
             k = torch.randn(batch, KV_HEADS, 1, DIM, generator=gen) if keys is None else keys[step].expand(
                 batch, KV_HEADS, 1, DIM)
             attention.decode(layer, q, k, torch.randn(batch, KV_HEADS, 1, DIM, generator=gen))
         attention.end_decode()
         positions = positions + 1
-        assert max(cache.lengths) <= cache.capacity
+        for layer in range(layers):
+            assert max(cache.layer_lengths(layer)) <= cache.capacities[layer] == cache.k[layer].shape[2]
         if cache.needs_compression():
             cache.compress()
     return cache
 
 
 def _kept_positions(cache: KVCache, row: int, layer: int = 0, head: int = 0) -> list[int]:
-    return cache.positions[layer, row, head, : cache.lengths[row]].tolist()
+    return cache.positions[layer, row, head, : cache.layer_lengths(layer)[row]].tolist()
 
 
 def test_streaming_keeps_sinks_and_the_recent_window() -> None:
@@ -210,3 +212,69 @@ def test_h2o_free_slots_hold_no_evicted_attention() -> None:
     assert cache.attn_acc is not None
     for row, n in enumerate(cache.lengths):
         assert n < cache.capacity and cache.attn_acc[:, row, :, n:].abs().sum() == 0
+
+
+# ---------------------------------------------------------------------------- per-layer budgets (PyramidKV)
+@pytest.mark.parametrize(("layers", "budget", "policy"), [(28, 1024, "rkv"), (28, 512, "snapkv"), (36, 2048, "h2o"),
+                                                          (4, 16, "streaming"), (3, 100, "rkv"), (1, 50, "rkv")])
+def test_pyramid_budgets_decrease_and_sum_to_layers_times_budget(layers: int, budget: int, policy: str) -> None:
+    kv = KVConfig(policy=policy, budget=budget, layer_budgets="pyramid")
+    budgets = layer_budgets(kv, layers)
+    assert len(budgets) == layers and sum(budgets) == layers * budget
+    assert budgets == sorted(budgets, reverse=True) and min(budgets) >= kv.min_layer_budget
+    if layers > 1:
+        low = max(budget / kv.pyramid_beta, kv.min_layer_budget)
+        assert budgets[-1] == pytest.approx(low, abs=1) and budgets[0] == pytest.approx(2 * budget - low, abs=1)
+        steps = [a - b for a, b in zip(budgets, budgets[1:], strict=False)]
+        assert max(steps) - min(steps) <= 1  # arithmetic, up to integer rounding
+    assert layer_budgets(KVConfig(policy=policy, budget=budget), layers) == [budget] * layers
+
+
+def test_pyramid_is_refused_for_dense() -> None:
+    with pytest.raises(ValueError, match="evicting policy"):
+        KVConfig(layer_budgets="pyramid")
+
+
+@pytest.mark.parametrize("policy", ["streaming", "snapkv", "h2o", "rkv"])
+@pytest.mark.parametrize("keep_prompt", [True, False])
+def test_each_layer_keeps_its_own_budget(policy: str, keep_prompt: bool) -> None:
+    layers, prompts, steps, buffer = 4, [5, 9], 70, 6
+    kv = KVConfig(policy=policy, budget=20, buffer=buffer, window=4, sink_tokens=2, keep_prompt=keep_prompt,
+                  layer_budgets="pyramid", pyramid_beta=4)
+    budgets = layer_budgets(kv, layers)
+    assert budgets == ([34, 25, 15, 6] if policy == "streaming" else [35, 25, 15, 5])
+    cache = _drive(kv, prompts, steps=steps, layers=layers, seed=5)
+    for layer, budget in enumerate(budgets):
+        # Memory per layer: only what the layer's own budget needs.
+        assert cache.capacities[layer] == layer_capacities(prompts, steps, kv, layers)[layer]
+        for row, prompt_len in enumerate(prompts):
+            protected = prompt_len if keep_prompt else 0
+            stored = cache.layer_lengths(layer)[row]
+            # Compressions run every `buffer` steps once the top layer has filled; each layer is then cut
+            # to protected + its budget and grows by at most `buffer` until the next one.
+            assert protected + budget <= stored <= protected + budget + buffer
+            for head in range(KV_HEADS):
+                kept = _kept_positions(cache, row, layer, head)
+                total = prompt_len + steps
+                assert kept == sorted(set(kept)) and kept[-4:] == list(range(total - 4, total))
+                if keep_prompt:
+                    assert kept[:prompt_len] == list(range(prompt_len))
+    # The rows' mean over layers is what the engine records (stored()).
+    for row in range(len(prompts)):
+        mean = sum(cache.layer_lengths(layer)[row] for layer in range(layers)) / layers
+        assert cache.stored()[row] == int(mean + 0.5)
+
+
+def test_pyramid_costs_the_memory_of_a_uniform_budget() -> None:
+    engine = LLMEngine(tiny_config("qwen3", layers=4))
+    params = SamplingParams(temperature=0.0, max_new_tokens=60)
+    sizes, evicted = {}, {}
+    for spread in ("uniform", "pyramid"):
+        kv = KVConfig(policy="rkv", budget=16, buffer=4, layer_budgets=spread, pyramid_beta=4)
+        outs = engine.generate([[1, 2, 3], [4, 5, 6, 7, 8]], params, kv)
+        sizes[spread], evicted[spread] = engine.last_batch_kv_bytes, [o.kv.evicted for o in outs]
+    assert sizes["pyramid"] == sizes["uniform"] == 2 * (5 + 16 + 4) * engine.kv_bytes_per_token()
+    # Uniform: every layer evicts 60 - 16 - (60 - 20) % 4 tokens; the pyramid's layers evict more or
+    # fewer but as many on average (the top layer's buffer fills first, so compressions start earlier).
+    assert evicted["uniform"] == [60 - 1 - 16 - (59 - 20) % 4] * 2
+    assert all(abs(p - u) <= 4 for p, u in zip(evicted["pyramid"], evicted["uniform"], strict=True))
