@@ -313,7 +313,8 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
     for policy in policies if not args.skip_fixed else ():
         kv = sparse(policy, small)
         layers = engine.model.num_layers
-        per_seq = sum(layer_capacities([args.prompt], gen, kv, layers)) * engine.kv_bytes_per_token() // layers
+        slots = sum(layer_capacities([args.prompt], gen, kv, layers))
+        per_seq = slots * engine.kv_bytes_per_token() // layers
         big = max(1, memory // per_seq)
         big_prompts = torch.randint(0, config.vocab_size, (big, args.prompt), generator=gen_rng).tolist()
         row = run_engine(engine, big_prompts, gen, kv)

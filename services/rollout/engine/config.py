@@ -67,16 +67,17 @@ class KVConfig(BaseModel):
             raise ValueError(f"kernel must be odd, got {self.kernel}")
         if self.policy == "dense" and self.layer_budgets != "uniform":
             raise ValueError("per-layer budgets need an evicting policy, not dense")
-        if self.policy != "dense" and self.budget < self.min_layer_budget:
-            what = f"the window {self.window}" + (
-                f" + sink_tokens {self.sink_tokens}" if self.policy == "streaming" else "")
-            raise ValueError(f"budget {self.budget} must be at least {what}")
+        if self.policy == "streaming":
+            if self.budget < self.sink_tokens + 1:
+                raise ValueError(f"budget {self.budget} must exceed sink_tokens {self.sink_tokens}")
+        elif self.policy != "dense" and self.budget < self.window:
+            raise ValueError(f"budget {self.budget} must be at least the window {self.window}")
         return self
 
     @property
     def min_layer_budget(self) -> int:
-        """The fewest tokens a layer may keep: every compression keeps the `window` most recent
-        tokens, and streaming its sinks too (a smaller budget would evict some of those)."""
+        """The fewest tokens a pyramid gives a layer (unless `budget` itself is smaller): every
+        compression keeps the `window` most recent tokens, and streaming its sinks too."""
         return self.window + (self.sink_tokens if self.policy == "streaming" else 0)
 
 
@@ -85,12 +86,13 @@ def layer_budgets(kv: KVConfig, num_layers: int) -> list[int]:
 
     pyramid (PyramidKV, Cai et al. 2024, its budget formula as in KVCache-Factory): an arithmetic
     sequence from the bottom layer's 2·budget − low down to the top layer's low = budget / beta
-    (raised to `min_layer_budget`), mean `budget`; rounded to integers by largest remainder so the
-    total is exact and no layer drops below the low end.
+    (raised to `min_layer_budget`, at most `budget`: then every layer keeps `budget`), mean
+    `budget`; rounded to integers by largest remainder so the total is exact and no layer drops
+    below the low end.
     """
     if kv.layer_budgets == "uniform" or num_layers == 1:
         return [kv.budget] * num_layers
-    low = max(kv.budget / kv.pyramid_beta, float(kv.min_layer_budget))
+    low = min(float(kv.budget), max(kv.budget / kv.pyramid_beta, float(kv.min_layer_budget)))
     high = 2 * kv.budget - low
     ideal = [high - (high - low) * layer / (num_layers - 1) for layer in range(num_layers)]
     budgets = [int(b) for b in ideal]

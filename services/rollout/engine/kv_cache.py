@@ -95,7 +95,8 @@ class StaticStorage:
         self.positions[:, :b].scatter_(3, slot.view(layers, b, 1, 1).expand(shape),
                                        positions.to(torch.int32).view(1, b, 1, 1).expand(shape))
 
-    def layer(self, layer: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def layer(self, layer: int,
+              b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """(K, V, query ring or None, lengths of rows [0, b)) of one layer, for fused_decode."""
         q_window = None if self.q_window is None else self.q_window[layer]
         return self.k[layer], self.v[layer], q_window, self.lengths[layer, :b]
@@ -214,7 +215,8 @@ class KVCache:
         values = torch.tensor(per_layer, dtype=torch.long, device=self.device)
         if self.storage is not None:
             self.lengths_t.copy_(values)
-            self.storage.lengths[:, batch:] = 0  # rows past the live batch in a padded graph bucket start over
+            # Rows past the live batch in a padded graph bucket start over.
+            self.storage.lengths[:, batch:] = 0
         else:
             self.lengths_t = values
 
@@ -295,7 +297,8 @@ class KVCache:
     # ------------------------------------------------------------------ batch
     def select_rows(self, rows: list[int]) -> None:
         """Keep only these rows (finished sequences leave the batch)."""
-        per_layer = [[lengths[r] for r in rows] for lengths in map(self.layer_lengths, range(self.num_layers))]
+        layers = [self.layer_lengths(layer) for layer in range(self.num_layers)]
+        per_layer = [[lengths[r] for r in rows] for lengths in layers]
         self.protected = [self.protected[r] for r in rows]
         self.prompt_lengths = [self.prompt_lengths[r] for r in rows]
         if self.storage is not None:
@@ -329,7 +332,8 @@ class KVCache:
         self.lengths_t = storage.lengths[:, :n]
 
 
-def layer_capacities(prompt_lengths: list[int], max_new_tokens: int, kv: KVConfig, num_layers: int) -> list[int]:
+def layer_capacities(prompt_lengths: list[int], max_new_tokens: int, kv: KVConfig,
+                     num_layers: int) -> list[int]:
     """Slots per row in each layer: everything for dense, else the most the layer can hold
     between compressions."""
     longest = max(prompt_lengths)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
-from services.rollout.engine.config import layer_budgets
 from services.rollout.engine.attention import CacheAttention
+from services.rollout.engine.config import layer_budgets
 from services.rollout.engine.kv_cache import KVCache, layer_capacities
 from services.rollout.engine.policies import key_redundancy
 from tests.unit.services.rollout.engine.engine_helpers import one_thread, tiny_config
@@ -24,8 +24,8 @@ def _drive(kv: KVConfig, prompt_lengths: list[int], steps: int, seed: int = 0,
     gen = torch.Generator().manual_seed(seed)
     batch, width = len(prompt_lengths), max(prompt_lengths)
     cache = KVCache(num_layers=layers, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
-                    prompt_lengths=prompt_lengths, capacity=layer_capacities(prompt_lengths, steps, kv, layers),
-                    kv=kv,
+                    prompt_lengths=prompt_lengths,
+                    capacity=layer_capacities(prompt_lengths, steps, kv, layers), kv=kv,
                     dtype=torch.float32, device=torch.device("cpu"))
     attention = CacheAttention(cache)
     attention.begin_prefill(width)
@@ -215,16 +215,19 @@ def test_h2o_free_slots_hold_no_evicted_attention() -> None:
 
 
 # ---------------------------------------------------------------------------- per-layer budgets (PyramidKV)
-@pytest.mark.parametrize(("layers", "budget", "policy"), [(28, 1024, "rkv"), (28, 512, "snapkv"), (36, 2048, "h2o"),
-                                                          (4, 16, "streaming"), (3, 100, "rkv"), (1, 50, "rkv")])
-def test_pyramid_budgets_decrease_and_sum_to_layers_times_budget(layers: int, budget: int, policy: str) -> None:
+@pytest.mark.parametrize(("layers", "budget", "policy"), [
+    (28, 1024, "rkv"), (28, 512, "snapkv"), (36, 2048, "h2o"), (4, 16, "streaming"), (3, 100, "rkv"),
+    (1, 50, "rkv"), (4, 10, "streaming")])
+def test_pyramid_budgets_decrease_and_sum_to_layers_times_budget(layers: int, budget: int,
+                                                                 policy: str) -> None:
     kv = KVConfig(policy=policy, budget=budget, layer_budgets="pyramid")
     budgets = layer_budgets(kv, layers)
     assert len(budgets) == layers and sum(budgets) == layers * budget
-    assert budgets == sorted(budgets, reverse=True) and min(budgets) >= kv.min_layer_budget
+    assert budgets == sorted(budgets, reverse=True) and min(budgets) >= min(budget, kv.min_layer_budget)
     if layers > 1:
-        low = max(budget / kv.pyramid_beta, kv.min_layer_budget)
-        assert budgets[-1] == pytest.approx(low, abs=1) and budgets[0] == pytest.approx(2 * budget - low, abs=1)
+        low = min(budget, max(budget / kv.pyramid_beta, kv.min_layer_budget))
+        assert budgets[-1] == pytest.approx(low, abs=1)
+        assert budgets[0] == pytest.approx(2 * budget - low, abs=1)
         steps = [a - b for a, b in zip(budgets, budgets[1:], strict=False)]
         assert max(steps) - min(steps) <= 1  # arithmetic, up to integer rounding
     assert layer_budgets(KVConfig(policy=policy, budget=budget), layers) == [budget] * layers
