@@ -17,9 +17,10 @@ to the full length, so all runs do the same work).
 
 `--layer-budgets pyramid` spreads every sparse budget over the layers as PyramidKV does (same KV
 memory; the JSON name gets `-pyramid`); `--dense-from` takes the dense row of an earlier JSON
-instead of running dense again. On CUDA, sparse rows also report `compression_ms` (one compression
-of a full cache at the row's batch, so its share of a step is that over the buffer), and
-`graph_reuse` times two identical short calls (the second reuses the first's cache and graphs).
+instead of running dense again; `--skip-same-batch` leaves out section 2. On CUDA, sparse rows
+also report `compression_ms` (one compression of a full cache at the row's batch, so its share of
+a step is that over the buffer), and `graph_reuse` times two identical short calls (the second
+reuses the first's cache and graphs).
 
 Ratios are taken within one run on one device; sections 1 and 3 re-run dense next to their rows
 (a shared machine drifts over minutes) unless `--reuse-dense` (a dedicated GPU: saves two dense
@@ -293,7 +294,7 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
         result["transformers_generate"] = baseline
         save(result)
 
-    for fraction in fractions:  # against the latest dense run
+    for fraction in fractions if not args.skip_same_batch else ():  # against the latest dense run
 
         for policy in policies:
             kv = sparse(policy, int(gen * fraction))
@@ -331,7 +332,9 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
     result["complete"] = True
     result["summary"] = {
         "smallest_budget_fraction": fractions[0],
-        "worst_kv_vs_dense_at_smallest_budget": max(r["kv_vs_dense"] for r in smallest),
+        "worst_kv_vs_dense_at_smallest_budget": max(
+            (r["kv_vs_dense"] for r in smallest), default=None
+        ),
         "best_tokens_per_s_vs_dense_at_equal_kv_memory": max(
             (r["tokens_per_s_vs_dense"] for r in fixed), default=None
         ),
@@ -356,6 +359,8 @@ def main() -> None:
                         help="compare sections 2 and 3 with the first dense run instead of re-running dense")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-fixed", action="store_true", help="skip the fixed-KV-memory section")
+    parser.add_argument("--skip-same-batch", action="store_true",
+                        help="skip the policies at the dense batch (section 2); fixed memory only")
     parser.add_argument("--dense-from", help="compare with the dense row of this earlier run's JSON (same "
                         "device, shape, --gen, --batch, --prompt) instead of running dense again")
     parser.add_argument("--layer-budgets", choices=LAYER_BUDGETS, default="uniform",
