@@ -48,17 +48,38 @@ def _parts(layer: nn.Module) -> tuple[DecoderLayer, Attention, MLP]:
     return decoder_layer, cast(Attention, decoder_layer.self_attn), cast(MLP, decoder_layer.mlp)
 
 
+def _linears(layer: nn.Module) -> list[nn.Linear]:
+    _, attn, mlp = _parts(layer)
+    return [cast(nn.Linear, m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)]
+
+
+def _aliased(linears: list[nn.Linear], weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the linears' parameters are still the views of (weight, bias) that _fuse made."""
+    at = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        bias_moved = bias is not None and (
+            lin.bias is None or lin.bias.data_ptr() != bias[at:at + rows].data_ptr())
+        if lin.weight.data_ptr() != weight[at:at + rows].data_ptr() or bias_moved:
+            return False
+        at += rows
+    return True
+
+
 def fuse_projections(model: DecoderLM) -> Fused:
-    """Per layer (qkv weight, qkv bias, gate_up weight, gate_up bias); idempotent."""
+    """Per layer (qkv weight, qkv bias, gate_up weight, gate_up bias); idempotent while the
+    parameters stay views of the fused buffers (weight patches write in place), fused again if
+    one was replaced (e.g. `param.data = ...`), so a new capture never reads a stale copy."""
     fused: Fused | None = getattr(model, "_fused_projections", None)
+    if fused is not None and not all(
+        _aliased(_linears(layer)[:3], qkv_w, qkv_b) and _aliased(_linears(layer)[3:], gu_w, gu_b)
+        for layer, (qkv_w, qkv_b, gu_w, gu_b) in zip(model.model.layers, fused, strict=True)
+    ):
+        fused = None
     if fused is None:
         fused = []
         for layer in model.model.layers:
-            _, attn, mlp = _parts(layer)
-            linears = [
-                cast(nn.Linear, m)
-                for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
-            ]
+            linears = _linears(layer)
             fused.append((*_fuse(linears[:3]), *_fuse(linears[3:])))
         setattr(model, "_fused_projections", fused)  # noqa: B010 - not a module attribute torch tracks
     return fused

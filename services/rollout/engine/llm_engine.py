@@ -113,7 +113,9 @@ class LLMEngine:
         storage = StaticStorage(num_layers=m.num_layers, batch=batch, num_heads=m.num_heads,
                                 num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, capacities=capacities,
                                 window=window, dtype=self.dtype, device=self.device)
-        self._decode, self._decode_weights = (storage, DecodeGraphs(m, storage)), weights
+        # DecodeGraphs fuses the projections again if one was replaced: addresses after that.
+        self._decode = storage, DecodeGraphs(m, storage)
+        self._decode_weights = self._weight_addresses()
         return self._decode
 
     def kv_bytes_per_token(self) -> int:

@@ -71,6 +71,13 @@ def test_fused_projections_share_the_live_weights(family: str) -> None:
     with torch.no_grad():
         tokens = torch.tensor([[1, 2, 3]])
         model(tokens, torch.arange(3)[None])  # the eager forward still runs on the views
+    # A parameter replaced, not written in place: the next fusion takes the new tensor.
+    k_proj = model.model.layers[1].self_attn.k_proj
+    k_proj.weight.data = torch.full_like(k_proj.weight, 0.5)
+    refused = fuse_projections(model)
+    assert refused is not fused
+    assert torch.equal(refused[1][0][q_rows:q_rows + k_rows], torch.full_like(k_proj.weight, 0.5))
+    assert k_proj.weight.data_ptr() == refused[1][0][q_rows:].data_ptr()
 
 
 def _patched(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -135,8 +142,9 @@ def test_graphs_are_captured_once_and_reused_across_calls(layer_budgets: str) ->
     graphs.generate(UNEQUAL, SamplingParams(temperature=0.0, max_new_tokens=8), KVConfig())
     assert graphs.graph_captures > captured
     captured = graphs.graph_captures
-    norm = graphs.model.model.norm.weight
+    norm, q_proj = graphs.model.model.norm.weight, graphs.model.model.layers[0].self_attn.q_proj.weight
     norm.data = norm.data.clone()
+    q_proj.data = q_proj.data * 1.5  # a fused projection's parameter: fused again before the capture
     got, want = (graphs.generate(UNEQUAL, SamplingParams(temperature=0.0, max_new_tokens=8), KVConfig()),
                  eager.generate(UNEQUAL, SamplingParams(temperature=0.0, max_new_tokens=8), KVConfig()))
     assert graphs.graph_captures > captured
