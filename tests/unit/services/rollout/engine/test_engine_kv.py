@@ -8,7 +8,7 @@ import torch
 from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
 from services.rollout.engine.attention import CacheAttention
 from services.rollout.engine.config import layer_budgets
-from services.rollout.engine.kv_cache import KVCache, layer_capacities
+from services.rollout.engine.kv_cache import REUSE_SLACK, KVCache, StaticStorage, layer_capacities
 from services.rollout.engine.policies import key_redundancy
 from tests.unit.services.rollout.engine.engine_helpers import one_thread, tiny_config
 
@@ -281,3 +281,67 @@ def test_pyramid_costs_the_memory_of_a_uniform_budget() -> None:
     # fewer but as many on average (the top layer's buffer fills first, so compressions start earlier).
     assert evicted["uniform"] == [60 - 1 - 16 - (59 - 20) % 4] * 2
     assert all(abs(p - u) <= 4 for p, u in zip(evicted["pyramid"], evicted["uniform"], strict=True))
+
+
+def _drive_rows(kv: KVConfig, prompts: list[int], steps: int, leave_at: int, keep: list[int], layers: int,
+                storage: StaticStorage | None) -> KVCache:
+    """Like _drive, with rows leaving the batch at step leave_at; a static cache's device lengths
+    advance as the captured step advances them (StaticStorage.advance)."""
+    gen = torch.Generator().manual_seed(7)
+    capacities = layer_capacities(prompts, steps, kv, layers)
+    cache = KVCache(num_layers=layers, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
+                    prompt_lengths=prompts, capacity=capacities, kv=kv, dtype=torch.float32,
+                    device=torch.device("cpu"), storage=storage)
+    attention = CacheAttention(cache)
+    width = max(prompts)
+    attention.begin_prefill(width)
+    for layer in range(layers):
+        q = torch.randn(len(prompts), HEADS, width, DIM, generator=gen)
+        k, v = torch.randn(2, len(prompts), KV_HEADS, width, DIM, generator=gen)
+        attention.prefill(layer, q, k, v)
+    positions = torch.tensor(prompts)
+    for step in range(steps):
+        if step == leave_at:
+            cache.select_rows(keep)
+            positions = positions[keep]
+        batch = cache.batch
+        attention.begin_decode(positions)
+        for layer in range(layers):
+            q = torch.randn(batch, HEADS, 1, DIM, generator=gen)
+            k, v = torch.randn(2, batch, KV_HEADS, 1, DIM, generator=gen)
+            attention.decode(layer, q, k, v)
+        attention.end_decode()
+        if storage is not None:
+            storage.advance(batch)
+        positions = positions + 1
+        if cache.needs_compression():
+            cache.compress()
+    return cache
+
+
+@pytest.mark.parametrize("spread", ["uniform", "pyramid"])
+def test_static_storage_keeps_the_eager_cache_and_is_reusable(spread: str) -> None:
+    """The CUDA-graph cache's bookkeeping on the CPU: in-place row compaction, per-layer lengths on
+    the device, rows past the batch reset, and a reused storage giving the same cache again."""
+    layers, prompts, steps = 4, [5, 9, 4], 40
+    kv = KVConfig(policy="rkv", budget=12, buffer=5, window=4, layer_budgets=spread, pyramid_beta=3)
+    want = _drive_rows(kv, prompts, steps, 17, [0, 2], layers, None)
+    caps = [c + 3 for c in layer_capacities(prompts, steps, kv, layers)]  # a little larger: it fits
+    storage = StaticStorage(num_layers=layers, batch=4, num_heads=HEADS, num_kv_heads=KV_HEADS,
+                            head_dim=DIM, capacities=caps, window=kv.window, dtype=torch.float32, device=torch.device("cpu"))
+    layout = (layers, HEADS, KV_HEADS, DIM, torch.float32)
+    assert storage.fits(3, layer_capacities(prompts, steps, kv, layers), kv.window, layout)
+    assert not storage.fits(5, caps, kv.window, layout) and not storage.fits(3, caps, None, layout)
+    assert not storage.fits(3, [c - REUSE_SLACK - 1 for c in caps], kv.window, layout)
+    for _ in range(2):  # a second batch on the reset storage
+        storage.reset()
+        got = _drive_rows(kv, prompts, steps, 17, [0, 2], layers, storage)
+        assert got.lengths == want.lengths and got.deficits == want.deficits
+        for layer in range(layers):
+            lengths = want.layer_lengths(layer)
+            assert storage.lengths[layer].tolist() == lengths + [0, 0]  # rows past the batch start over
+            for row, n in enumerate(lengths):
+                assert torch.equal(got.k[layer][row, :, :n], want.k[layer][row, :, :n])
+                assert torch.equal(got.v[layer][row, :, :n], want.v[layer][row, :, :n])
+                assert torch.equal(got.positions[layer, row, :, :n], want.positions[layer, row, :, :n])
+                assert got.k[layer].data_ptr() == storage.k[layer].data_ptr()  # views of the storage
