@@ -328,7 +328,8 @@ def test_static_storage_keeps_the_eager_cache_and_is_reusable(spread: str) -> No
     want = _drive_rows(kv, prompts, steps, 17, [0, 2], layers, None)
     caps = [c + 3 for c in layer_capacities(prompts, steps, kv, layers)]  # a little larger: it fits
     storage = StaticStorage(num_layers=layers, batch=4, num_heads=HEADS, num_kv_heads=KV_HEADS,
-                            head_dim=DIM, capacities=caps, window=kv.window, dtype=torch.float32, device=torch.device("cpu"))
+                            head_dim=DIM, capacities=caps, window=kv.window, dtype=torch.float32,
+                            device=torch.device("cpu"))
     layout = (layers, HEADS, KV_HEADS, DIM, torch.float32)
     assert storage.fits(3, layer_capacities(prompts, steps, kv, layers), kv.window, layout)
     assert not storage.fits(5, caps, kv.window, layout) and not storage.fits(3, caps, None, layout)
