@@ -28,9 +28,9 @@ class KVCache(Protocol):
     """What a policy reads of the cache (kv_cache.KVCache has it); no import of the cache, which
     imports the policies."""
 
-    k: torch.Tensor
+    k: list[torch.Tensor]  # per layer [B, Hkv, capacity, D]
     positions: torch.Tensor
-    lengths_t: torch.Tensor
+    lengths_t: torch.Tensor  # [layers, B]
     attn_acc: torch.Tensor | None
 
     def window_queries(self, layer: int) -> torch.Tensor: ...
@@ -83,7 +83,7 @@ class RKV(EvictionPolicy):
 
     def score(self, cache: KVCache, layer: int, span: int, valid: torch.Tensor) -> torch.Tensor:
         importance = pool(window_attention(cache, layer, span), self.kv)
-        keys = cache.k[layer, :, :, :span]
+        keys = cache.k[layer][:, :, :span]
         if keys.is_cuda and kernels.available():
             redundancy = key_redundancy_fused(keys, valid, self.kv.similarity_threshold)
         else:
@@ -110,9 +110,9 @@ def window_attention(cache: KVCache, layer: int, span: int) -> torch.Tensor:
     lend their attention to neighbours through pooling.
     """
     q = cache.window_queries(layer)  # [B, Hq, W, D], oldest first
-    keys = cache.k[layer, :, :, :span]
+    keys = cache.k[layer][:, :, :span]
     b, _, w, d = q.shape
-    lengths = cache.lengths_t[:, None]
+    lengths = cache.lengths_t[layer][:, None]
     slot = torch.arange(span, device=q.device)
     # Window query j is the token at slot lengths - w + j.
     last_visible = lengths - w + torch.arange(w, device=q.device)[None]  # [B, W]
