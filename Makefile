@@ -34,7 +34,7 @@ $(DEMO_STAMP): pyproject.toml
 # vLLM's kernel registration walks every imported module and trips over werkzeug's context-local
 # proxies, which the moto S3 server imports at collection time in other test files. So the vLLM
 # tests run in a process of their own that collects only their file.
-VLLM_TESTS := tests/integration/rollout/test_vllm_engine.py
+VLLM_TESTS := tests/integration/rollout/test_vllm_engine.py tests/integration/rollout/test_vllm_serve.py
 test: setup
 	$(PY) -m ruff check shared services tests bench
 	$(PY) -m mypy

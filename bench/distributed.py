@@ -11,17 +11,29 @@ cost does not depend on them). Per step: rollout (rank 0's GPU, R-KV cache), `tr
 patch assembled on rank 0, applied to the engine with its fingerprints checked. On rank 0 the
 single-process extractor also runs on the same full weights (the engine's copy before and after),
 so the sharded path's cost is compared on the same bytes, and its patch must be identical.
+With --registry, the worker's side is the services' own: a registry subprocess (loopback, file://
+store in a temporary folder, no Redis: the worker asks for plans over HTTP), v0 published as a
+snapshot, each step's patch published with the trainer's client (shared.registry.publish) and the
+engine brought to it by the rollout worker's sync (services.rollout.sync.WeightSync over
+shared.registry.sync.sync_weights: plan, download, verify, apply under the engine lock); the
+fingerprint the worker reaches must equal the learner's.
 Reported: step time, trained tokens/s, peak memory per GPU, extraction seconds per step and per
-GB of bf16 model. JSON: bench/results/distributed-<shape>-<world>x<card>.json.
+GB of bf16 model, split into the capture's phases (encode on each rank, the all-to-all, zstd on
+the owning ranks, the gather to rank 0) and the container's layout on rank 0.
+JSON: bench/results/distributed-<shape>-<world>x<card>.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import random
 import statistics
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +43,7 @@ from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
 from services.trainer.distributed import make_learner
 from services.trainer.settings import TrainerSettings
 from shared.modeling import qwen3_config
-from shared.patch import apply_patch, extract_patch, fingerprint, read_header
+from shared.patch import apply_patch, extract_patch, fingerprint, read_header, save_snapshot
 from shared.schemas import KVStats, Sample, SamplingInfo, Trajectory
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -103,6 +115,144 @@ def rollout(
     return trajectories, tokens
 
 
+class RegistryWorker:
+    """The registry (a subprocess) and a native worker's weight sync onto `engine`, driven from
+    this synchronous bench through one event loop."""
+
+    def __init__(self, url: str, engine: LLMEngine, model_dir: Path) -> None:
+        from transformers import AutoTokenizer
+
+        from services.rollout.core import RolloutCore
+        from services.rollout.settings import RolloutSettings
+        from services.rollout.sync import WeightSync
+        from shared.registry.client import RegistryClient
+
+        from .registry import TOKEN
+
+        self.loop = asyncio.new_event_loop()
+        self.client = RegistryClient(url, "bench", token=TOKEN)
+        settings = RolloutSettings(
+            model=str(model_dir), registry_url=url, data_dir=str(model_dir / "rollout")
+        )
+        self.core = RolloutCore(settings, engine, AutoTokenizer.from_pretrained(model_dir), model_dir)
+        self.sync = WeightSync(self.core, self.client)
+
+    def publish_v0(self, state: dict[str, torch.Tensor]) -> float:
+        t0 = time.perf_counter()
+        data = save_snapshot({k: v.cpu() for k, v in state.items()}, run="bench", version=0)
+        self.loop.run_until_complete(self.client.publish_snapshot(0, data))
+        return time.perf_counter() - t0
+
+    def publish(self, version: int, patch: bytes) -> float:
+        t0 = time.perf_counter()
+        self.loop.run_until_complete(self.client.publish_patch(version, patch))
+        return time.perf_counter() - t0
+
+    def sync_to(self, version: int) -> tuple[float, int, str]:
+        """(seconds, version reached, its fingerprint as the worker records it)."""
+        t0 = time.perf_counter()
+        reached = self.loop.run_until_complete(self.sync.sync_to(version))
+        return time.perf_counter() - t0, reached, self.core.weights.fingerprint
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.client.aclose())
+        self.loop.close()
+
+
+@contextlib.contextmanager
+def registry_worker(enabled: bool, engine: LLMEngine, model_dir: Path) -> Iterator[RegistryWorker | None]:
+    if not enabled:
+        yield None
+        return
+    from .registry import free_port, registry_process
+
+    with tempfile.TemporaryDirectory(prefix="sparsecast-registry-") as store:
+        with registry_process(free_port(), Path(store)) as url:
+            worker = RegistryWorker(url, engine, model_dir)
+            try:
+                yield worker
+            finally:
+                worker.close()
+
+
+def run_steps(
+    args: argparse.Namespace,
+    learner: Any,
+    engine: LLMEngine,
+    live: dict[str, torch.Tensor],
+    device: torch.device,
+    worker: RegistryWorker | None,
+    out: Path,
+) -> list[dict[str, Any]]:
+    """The steps on rank 0: rollout, train, capture, patch, then the worker's weights brought to
+    it (through the registry, or by applying the patch), and the single-process extractor on the
+    same weights for comparison. The steps so far are written to `out` after each (a run cut
+    short by a time limit still leaves them)."""
+    vocab = 256  # prompt tokens from the char tokenizer's range; the model may sample any of its vocabulary
+    rows: list[dict[str, Any]] = []
+    for step in range(args.steps):
+        t_roll = time.perf_counter()
+        trajectories, tokens = rollout(engine, args, step, vocab)
+        rollout_seconds = time.perf_counter() - t_roll
+        _sync(device)
+        t_train = time.perf_counter()
+        metrics = learner.train_step(trajectories, version=step)
+        _sync(device)
+        train_seconds = time.perf_counter() - t_train
+        t_cap = time.perf_counter()
+        captured = learner.capture()
+        capture_seconds = time.perf_counter() - t_cap
+        t_build = time.perf_counter()
+        patch = captured.make_patch("bench", step, step + 1)
+        build_seconds = time.perf_counter() - t_build
+        # The single-process extractor on the same full weights: the engine's copy before and after.
+        before = {name: t.clone() for name, t in live.items()}
+        sync: dict[str, Any] = {}
+        if worker is not None:
+            sync["publish_seconds"] = worker.publish(step + 1, patch)
+            seconds, reached, worker_fp = worker.sync_to(step + 1)
+            sync |= {"sync_seconds": seconds, "sync_path": worker.core.weights.last_sync["path"],
+                     "worker_version": reached}
+            _sync(device)
+        else:
+            t_apply = time.perf_counter()
+            apply_patch(live, patch)  # checks the base and target fingerprints
+            _sync(device)
+            sync["apply_seconds"] = time.perf_counter() - t_apply
+            reached, worker_fp = step + 1, read_header(patch).target_fingerprint
+        t_single = time.perf_counter()
+        single = extract_patch(before, live, run="bench", base_version=step, target_version=step + 1)
+        single_seconds = time.perf_counter() - t_single
+        del before
+        header = read_header(patch)
+        row = {
+            "step": step + 1,
+            "loss": metrics["loss"],
+            "grad_norm": metrics["grad_norm"],
+            "sequences": metrics["sequences"],
+            "tokens": tokens,
+            "rollout_seconds": rollout_seconds,
+            "train_seconds": train_seconds,
+            "tokens_per_second": tokens / train_seconds,
+            "capture_seconds": capture_seconds,
+            "capture_phases": captured.timings,  # sharded only: encode, exchange, entropy, gather
+            "build_seconds": build_seconds,
+            "extract_seconds": capture_seconds + build_seconds,
+            "single_process_extract_seconds": single_seconds,
+            **sync,
+            "patch_bytes": len(patch),
+            "changed": header.changed,
+            "changed_fraction": header.changed / learner.numel,
+            "patch_identical_to_single_process": patch == single,
+            "worker_fingerprint_equal": reached == step + 1
+            and fingerprint(live) == worker_fp == captured.fingerprint == header.target_fingerprint,
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        out.write_text(json.dumps({"partial": True, "shape": args.shape, "steps": rows}, indent=1) + "\n")
+    return rows
+
+
 def peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
 
@@ -126,6 +276,8 @@ def main() -> None:
     parser.add_argument("--model-dir", default="")
     parser.add_argument("--card", default="", help="the GPU model, for the file name (e.g. h100)")
     parser.add_argument("--out", default="")
+    parser.add_argument("--registry", action="store_true",
+                        help="publish each patch to a registry subprocess; the worker syncs from it")
     args = parser.parse_args()
 
     from services.trainer.distributed import control_group, init_process_groups, launched_distributed
@@ -145,7 +297,7 @@ def main() -> None:
         if torch.cuda.is_available() and args.device != "cpu"
         else torch.device("cpu")
     )
-    model_dir = Path(args.model_dir or f"/tmp/sparsecast-bench-{args.shape}")
+    model_dir = Path(args.model_dir or Path(tempfile.gettempdir()) / f"sparsecast-bench-{args.shape}")
     if rank == 0:
         make_model_dir(args.shape, model_dir, device)
     if distributed:
@@ -163,59 +315,14 @@ def main() -> None:
     engine = LLMEngine.from_pretrained(model_dir, device=device, dtype=torch.bfloat16)
     live = engine.state_dict()
     assert fingerprint(live) == learner.published_fingerprint, "engine and learner start from other weights"
-    vocab = 256  # prompt tokens from the char tokenizer's range; the model may sample any of its vocabulary
-    rows: list[dict[str, Any]] = []
-    for step in range(args.steps):
-        t_roll = time.perf_counter()
-        trajectories, tokens = rollout(engine, args, step, vocab)
-        rollout_seconds = time.perf_counter() - t_roll
-        _sync(device)
-        t_train = time.perf_counter()
-        metrics = learner.train_step(trajectories, version=step)
-        _sync(device)
-        train_seconds = time.perf_counter() - t_train
-        t_cap = time.perf_counter()
-        captured = learner.capture()
-        capture_seconds = time.perf_counter() - t_cap
-        t_build = time.perf_counter()
-        patch = captured.make_patch("bench", step, step + 1)
-        build_seconds = time.perf_counter() - t_build
-        # The single-process extractor on the same full weights: the engine's copy before and after.
-        before = {name: t.clone() for name, t in live.items()}
-        t_apply = time.perf_counter()
-        apply_patch(live, patch)  # checks the base and target fingerprints
-        _sync(device)
-        apply_seconds = time.perf_counter() - t_apply
-        _sync(device)
-        t_single = time.perf_counter()
-        single = extract_patch(before, live, run="bench", base_version=step, target_version=step + 1)
-        single_seconds = time.perf_counter() - t_single
-        del before
-        header = read_header(patch)
-        row = {
-            "step": step + 1,
-            "loss": metrics["loss"],
-            "grad_norm": metrics["grad_norm"],
-            "sequences": metrics["sequences"],
-            "tokens": tokens,
-            "rollout_seconds": rollout_seconds,
-            "train_seconds": train_seconds,
-            "tokens_per_second": tokens / train_seconds,
-            "capture_seconds": capture_seconds,
-            "build_seconds": build_seconds,
-            "extract_seconds": capture_seconds + build_seconds,
-            "single_process_extract_seconds": single_seconds,
-            "apply_seconds": apply_seconds,
-            "patch_bytes": len(patch),
-            "changed": header.changed,
-            "changed_fraction": header.changed / learner.numel,
-            "patch_identical_to_single_process": patch == single,
-            "worker_fingerprint_equal": fingerprint(live)
-            == captured.fingerprint
-            == header.target_fingerprint,
-        }
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    card = (args.card or "cpu").lower()
+    out = Path(args.out) if args.out else RESULTS / f"distributed-{args.shape}-{world}x{card}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with registry_worker(args.registry, engine, model_dir) as worker:
+        publish_v0_seconds = worker.publish_v0(live) if worker is not None else None
+        print(json.dumps({"load_seconds": load_seconds, "publish_v0_seconds": publish_v0_seconds}),
+              flush=True)
+        rows = run_steps(args, learner, engine, live, device, worker, out)
     if distributed:
         learner.stop_followers()  # type: ignore[attr-defined]
         others = [None] * world
@@ -229,6 +336,15 @@ def main() -> None:
     gb = learner.dense_bytes / 1e9
     extract = statistics.median(r["extract_seconds"] for r in timed)
     single = statistics.median(r["single_process_extract_seconds"] for r in timed)
+    phases: dict[str, float] = {  # the sharded capture's phases; the worker's publish and sync
+        f"capture_{phase}_seconds": statistics.median(r["capture_phases"][phase] for r in timed)
+        for phase in timed[0]["capture_phases"]
+    }
+    phases |= {
+        key: statistics.median(r[key] for r in timed)
+        for key in ("publish_seconds", "sync_seconds", "apply_seconds")
+        if key in timed[0]
+    }
     result = {
         "shape": args.shape,
         "world_size": world,
@@ -245,7 +361,11 @@ def main() -> None:
             "single_process_extract_seconds": single,
             "single_process_extract_seconds_per_gb": single / gb,
             "rollout_seconds": statistics.median(r["rollout_seconds"] for r in timed),
+            "build_seconds": statistics.median(r["build_seconds"] for r in timed),
+            **phases,
         },
+        "registry": args.registry,
+        "publish_v0_seconds": publish_v0_seconds,
         "peak_gib_per_gpu": peaks,
         "peak_gib_note": "rank 0 also holds the engine (bf16 weights + KV) and two full bf16 copies for the "
         "single-process comparison",
@@ -253,9 +373,6 @@ def main() -> None:
         "all_fingerprints_equal": all(r["worker_fingerprint_equal"] for r in rows),
         "steps": rows,
     }
-    card = (args.card or "cpu").lower()
-    out = Path(args.out) if args.out else RESULTS / f"distributed-{args.shape}-{world}x{card}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "steps"}, indent=1))
     if distributed:

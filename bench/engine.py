@@ -12,8 +12,15 @@ to the full length, so all runs do the same work).
    (keep_prompt; buffer = min(128, gen // 16), so a long run uses Sparse-RL's 128-step
    re-compression).
 3. Fixed KV memory (`--skip-fixed` skips it): the dense batch's KV bytes are the memory budget; each policy
-at the smallest
-   fraction's budget runs the largest batch whose cache fits in it, and its tokens/s is compared to dense.
+   at the smallest fraction's budget runs the largest batch whose cache fits in it, and its tokens/s is
+   compared to dense.
+
+`--layer-budgets pyramid` spreads every sparse budget over the layers as PyramidKV does (same KV
+memory; the JSON name gets `-pyramid`); `--dense-from` takes the dense row of an earlier JSON
+instead of running dense again; `--skip-same-batch` leaves out section 2. On CUDA, sparse rows
+also report `compression_ms` (one compression of a full cache at the row's batch, so its share of
+a step is that over the buffer), and `graph_reuse` times two identical short calls (the second
+reuses the first's cache and graphs).
 
 Ratios are taken within one run on one device; sections 1 and 3 re-run dense next to their rows
 (a shared machine drifts over minutes) unless `--reuse-dense` (a dedicated GPU: saves two dense
@@ -42,10 +49,10 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import Qwen3ForCausalLM
 
 from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
-from services.rollout.engine.kv_cache import cache_capacity
+from services.rollout.engine.kv_cache import KVCache, layer_capacities
 from services.rollout.models.decoder import DecoderLM
 from shared.dtypes import by_short_name, dtype_name
-from shared.kv import SPARSE_POLICIES
+from shared.kv import LAYER_BUDGETS, SPARSE_POLICIES
 from shared.modeling import qwen3_config
 
 POLICIES = SPARSE_POLICIES
@@ -73,6 +80,9 @@ def _timed(device: torch.device, fn) -> tuple[Any, float, int]:
 
 def run_engine(engine: LLMEngine, prompts: list[list[int]], gen: int, kv: KVConfig) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_new_tokens=gen)
+    # Each row allocates its own cache and captures its graphs inside the timed call (as every call
+    # did before graphs were kept): the peak device bytes are then this row's alone.
+    engine.release_decode_state()
     outs, seconds, peak_device = _timed(engine.device, lambda: engine.generate(prompts, params, kv))
     tokens = sum(len(o.token_ids) for o in outs)
     return {
@@ -85,7 +95,29 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], gen: int, kv: KVConf
         "peak_kv_bytes_per_seq": max(o.kv.peak_bytes for o in outs),
         "evicted_per_seq": max(o.kv.evicted for o in outs),
         "peak_device_bytes": peak_device,
+        "layer_budgets": kv.layer_budgets,
     }
+
+
+def compression_ms(engine: LLMEngine, batch: int, prompt: int, gen: int, kv: KVConfig) -> float:
+    """Device time of one compression of a full cache: `batch` rows whose layers each hold
+    prompt + budget + buffer random keys (the bench's random weights find no near-duplicates
+    either). Its share of a decode step is this over `kv.buffer` steps."""
+    m, dev = engine.model, engine.device
+    engine.release_decode_state()
+    capacities = layer_capacities([prompt], gen, kv, m.num_layers)
+    cache = KVCache(num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+                    head_dim=m.head_dim, prompt_lengths=[prompt] * batch, capacity=capacities, kv=kv,
+                    dtype=engine.dtype, device=dev)
+    for buf in (*cache.k, *cache.v) + ((cache.q_window,) if cache.q_window is not None else ()):
+        buf.normal_()
+    times = []
+    for _ in range(2):  # the first compiles the Triton kernels
+        cache.set_layer_lengths([[cap] * batch for cap in capacities])
+        _, seconds, _ = _timed(dev, cache.compress)
+        times.append(seconds)
+    del cache
+    return round(1000 * times[-1], 3)
 
 
 def ops_per_decode_step(engine: LLMEngine, prompts: list[list[int]], kv: KVConfig) -> dict[str, float]:
@@ -95,6 +127,7 @@ def ops_per_decode_step(engine: LLMEngine, prompts: list[list[int]], kv: KVConfi
     counts the top-level calls that do work (a proxy for kernel launches on a GPU).
     """
     def count(steps: int) -> collections.Counter[str]:
+        engine.release_decode_state()  # both counts allocate and capture, so those ops cancel out
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=steps), kv)
         counts: collections.Counter[str] = collections.Counter()
@@ -168,6 +201,10 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
     prompts = torch.randint(0, config.vocab_size, (batch, args.prompt), generator=gen_rng).tolist()
     buffer = min(128, max(1, gen // 16))
     policies = args.policies or list(POLICIES)
+
+    def sparse(policy: str, budget: int) -> KVConfig:
+        return KVConfig(policy=policy, budget=budget, buffer=buffer, layer_budgets=args.layer_budgets)
+
     fractions = sorted(args.fractions)
     rows: list[dict[str, Any]] = []
     fixed: list[dict[str, Any]] = []
@@ -185,6 +222,7 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
         "generated_tokens": gen,
         "batch": batch,
         "buffer": buffer,
+        "layer_budgets": args.layer_budgets,
         "fractions": fractions,
         "reuse_dense": args.reuse_dense,
         "kv_bytes_per_token": engine.kv_bytes_per_token(),
@@ -198,15 +236,36 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
     engine.generate(prompts[:2], SamplingParams(temperature=0.0, max_new_tokens=8), KVConfig())  # warm-up
     small = int(gen * fractions[0])
     for policy in ("dense", *policies):
-        kv = KVConfig(policy=policy, budget=max(small, 8), buffer=buffer) if policy != "dense" else KVConfig()
+        kv = sparse(policy, max(small, 8)) if policy != "dense" else KVConfig()
         result["ops_per_decode_step"][policy] = ops_per_decode_step(engine, prompts, kv)
     print(json.dumps({"ops_per_decode_step": result["ops_per_decode_step"]}))
     save(result)
 
-    first_dense = dense = run_engine(engine, prompts, gen, KVConfig())
+    if args.dense_from:
+        earlier = json.loads(Path(args.dense_from).read_text())
+        same = ("device", "shape", "generated_tokens", "batch", "prompt_tokens")
+        if any(earlier[k] != result[k] for k in same):
+            raise SystemExit(f"--dense-from {args.dense_from}: another {', '.join(same)}")
+        first_dense = dense = dict(next(r for r in earlier["policies"] if r["policy"] == "dense"),
+                                   measured_in=Path(args.dense_from).name)
+    else:
+        first_dense = dense = run_engine(engine, prompts, gen, KVConfig())
     print(json.dumps(dense))
     rows.append(dense)
     save(result)
+
+    if engine.cuda_graphs:
+        # Two identical short calls: the first allocates the cache and captures, the second reuses both.
+        engine.release_decode_state()
+        short = SamplingParams(temperature=0.0, max_new_tokens=64)
+        reuse: dict[str, Any] = {"max_new_tokens": 64}
+        for call in ("first", "second"):
+            before = engine.graph_captures
+            _, seconds, _ = _timed(device, lambda: engine.generate(prompts, short, KVConfig()))
+            reuse[call] = {"seconds": round(seconds, 4), "captures": engine.graph_captures - before}
+        result["graph_reuse"] = reuse
+        print(json.dumps({"graph_reuse": reuse}))
+        save(result)
 
     def dense_again() -> dict[str, Any]:
         # On a shared machine speed drifts over minutes: ratios use a dense run made next to them.
@@ -235,12 +294,13 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
         result["transformers_generate"] = baseline
         save(result)
 
-    for fraction in fractions:  # against the latest dense run
+    for fraction in fractions if not args.skip_same_batch else ():  # against the latest dense run
 
         for policy in policies:
-            row = run_engine(
-                engine, prompts, gen, KVConfig(policy=policy, budget=int(gen * fraction), buffer=buffer)
-            )
+            kv = sparse(policy, int(gen * fraction))
+            row = run_engine(engine, prompts, gen, kv)
+            if device.type == "cuda":
+                row["compression_ms"] = compression_ms(engine, batch, args.prompt, gen, kv)
             row["budget_fraction"] = fraction
             row["kv_vs_dense"] = round(row["kv_bytes_allocated"] / dense["kv_bytes_allocated"], 3)
             row["tokens_per_s_vs_dense"] = round(row["tokens_per_s"] / dense["tokens_per_s"], 3)
@@ -252,14 +312,18 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
     dense = dense_again() if not args.skip_fixed else first_dense
     memory = dense["kv_bytes_allocated"]
     for policy in policies if not args.skip_fixed else ():
-        kv = KVConfig(policy=policy, budget=small, buffer=buffer)
-        per_seq = cache_capacity([args.prompt], gen, kv) * engine.kv_bytes_per_token()
+        kv = sparse(policy, small)
+        layers = engine.model.num_layers
+        slots = sum(layer_capacities([args.prompt], gen, kv, layers))
+        per_seq = slots * engine.kv_bytes_per_token() // layers
         big = max(1, memory // per_seq)
         big_prompts = torch.randint(0, config.vocab_size, (big, args.prompt), generator=gen_rng).tolist()
         row = run_engine(engine, big_prompts, gen, kv)
         row["kv_memory_budget"] = memory
         row["dense_batch"], row["dense_tokens_per_s"] = dense["batch"], dense["tokens_per_s"]
         row["tokens_per_s_vs_dense"] = round(row["tokens_per_s"] / dense["tokens_per_s"], 3)
+        if device.type == "cuda":
+            row["compression_ms"] = compression_ms(engine, big, args.prompt, gen, kv)
         print(json.dumps(row))
         fixed.append(row)
         save(result)
@@ -268,7 +332,9 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
     result["complete"] = True
     result["summary"] = {
         "smallest_budget_fraction": fractions[0],
-        "worst_kv_vs_dense_at_smallest_budget": max(r["kv_vs_dense"] for r in smallest),
+        "worst_kv_vs_dense_at_smallest_budget": max(
+            (r["kv_vs_dense"] for r in smallest), default=None
+        ),
         "best_tokens_per_s_vs_dense_at_equal_kv_memory": max(
             (r["tokens_per_s_vs_dense"] for r in fixed), default=None
         ),
@@ -293,11 +359,19 @@ def main() -> None:
                         help="compare sections 2 and 3 with the first dense run instead of re-running dense")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-fixed", action="store_true", help="skip the fixed-KV-memory section")
+    parser.add_argument("--skip-same-batch", action="store_true",
+                        help="skip the policies at the dense batch (section 2); fixed memory only")
+    parser.add_argument("--dense-from", help="compare with the dense row of this earlier run's JSON (same "
+                        "device, shape, --gen, --batch, --prompt) instead of running dense again")
+    parser.add_argument("--layer-budgets", choices=LAYER_BUDGETS, default="uniform",
+                        help="how sparse budgets are spread over layers (pyramid: PyramidKV)")
     parser.add_argument("--out", help="JSON path (default bench/results/engine-<device>[...].json)")
     args = parser.parse_args()
     device = torch.device(args.device).type
     default_name = f"engine-{device}" if (args.shape, args.gen) == ("tiny", 256) else (
         f"engine-{device}-{args.shape}-gen{args.gen}")
+    if args.layer_budgets != "uniform":
+        default_name += f"-{args.layer_budgets}"
     out = Path(args.out or f"bench/results/{default_name}.json")
     try:  # `--fractions 0.25 0.5` or `--fractions "0.25 0.5"`
         args.fractions = [float(f) for arg in args.fractions for f in arg.replace(",", " ").split()]

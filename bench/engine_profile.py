@@ -1,8 +1,9 @@
 """Where a decode step's time goes: `python -m bench.engine_profile --device cuda --shape 0.6b`.
 
 Random-weight Qwen3 shape (shared.modeling), `--batch` prompts of `--prompt` tokens. One greedy
-`generate` of `--warm` tokens is run unprofiled (warm-up, graph capture), then `--steps` + 1 and 1
-tokens under torch.profiler; their difference over `--steps` gives device time per decode step by
+`generate` of max(`--warm`, `--steps` + 1) tokens is run unprofiled (warm-up, cache allocation and
+graph capture, which the later calls reuse), then `--steps` + 1 and 1 tokens under
+torch.profiler; their difference over `--steps` gives device time per decode step by
 kernel (CUDA; CPU ops on a CPU) and the wall time per step, without the prefill. `--context` pads
 the prompts so the steps run at that cache length (attention cost grows with it). Prints a JSON summary;
 `--out` also writes it.
@@ -117,7 +118,11 @@ def main() -> None:
                             generator=torch.Generator().manual_seed(1)).tolist()
     kv = KVConfig() if args.policy == "dense" else KVConfig(policy=args.policy, budget=args.budget,
                                                             buffer=args.buffer, keep_prompt=args.keep_prompt)
-    engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=args.warm), kv)
+    # Warm-up as long as the longest measured call: it allocates the cache and captures the graphs,
+    # which the measured calls then reuse (a 1-token call never reaches a decode step, so a capture
+    # in the longer one would not cancel out of their difference).
+    warm = SamplingParams(temperature=0.0, max_new_tokens=max(args.warm, args.steps + 1))
+    engine.generate(prompts, warm, kv)
     result = {"shape": args.shape, "batch": args.batch, "context": length,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               **profile_steps(engine, prompts, args.steps, kv, args.top)}

@@ -1,25 +1,47 @@
 """Object storage behind one small async interface (obstore underneath).
 
 URLs: ``file://<path>`` (relative paths resolve against the working directory; the default for
-local runs), ``s3://<bucket>[/<prefix>]`` for S3 or MinIO (endpoint, region, credentials and
-``allow_http`` passed in explicitly, so settings, not the environment, decide), and
-``memory://`` for unit tests.
+local runs), ``memory://`` for unit tests, and every URL obstore opens: ``s3://<bucket>[/<prefix>]``
+(S3, MinIO, R2), ``gs://`` (GCS), ``az://`` / ``abfs://`` (Azure), ``http(s)://`` (WebDAV-style
+servers). A store's connection settings are string options in obstore's own names (S3:
+``endpoint``, ``region``, ``access_key_id``, ``secret_access_key``, ``allow_http``; GCS:
+``service_account_path``; ...), passed in explicitly, so settings, not the environment, decide.
+A new store therefore needs no code here: a URL and its options.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import obstore
 from obstore.exceptions import NotFoundError
-from obstore.store import LocalStore, MemoryStore, S3Store
+from obstore.store import LocalStore, MemoryStore, from_url
 
 T = TypeVar("T")
+
+# Options obstore takes as HTTP-client settings (the keys of obstore.store.ClientConfig, a TypedDict
+# that exists in its type stubs only); every other option is the store's own configuration.
+CLIENT_OPTION_KEYS = frozenset({
+    "allow_http", "allow_invalid_certificates", "connect_timeout", "default_content_type",
+    "pool_idle_timeout", "pool_max_idle_per_host", "proxy_url", "proxy_ca_certificate",
+    "proxy_excludes", "root_certificate", "randomize_addresses", "read_timeout", "timeout",
+    "user_agent",
+})
+_BOOLEAN_CLIENT_OPTIONS = frozenset({"allow_http", "allow_invalid_certificates", "randomize_addresses"})
+_TRUE, _FALSE = frozenset({"true", "1", "yes"}), frozenset({"false", "0", "no", ""})
+
+
+def _client_option(key: str, value: str) -> str | bool:
+    if key not in _BOOLEAN_CLIENT_OPTIONS:
+        return value
+    if value.lower() not in _TRUE | _FALSE:
+        raise ValueError(f"store option {key} must be true or false, got {value!r}")
+    return value.lower() in _TRUE
 
 
 class ObjectNotFound(KeyError):
@@ -32,17 +54,10 @@ class ObjectInfo:
     size: int
 
 
-@dataclass(frozen=True)
-class S3Options:
-    endpoint: str | None = None
-    region: str | None = None
-    access_key_id: str | None = None
-    secret_access_key: str | None = None
-    allow_http: bool = False
-
-
-def _open_store(url: str, s3: S3Options | None):
+def _open_store(url: str, options: Mapping[str, str]) -> Any:
     parsed = urlparse(url)
+    if parsed.scheme in ("memory", "file") and options:
+        raise ValueError(f"{parsed.scheme}:// takes no store options (got {sorted(options)})")
     if parsed.scheme == "memory":
         return MemoryStore()
     if parsed.scheme == "file":
@@ -52,25 +67,13 @@ def _open_store(url: str, s3: S3Options | None):
         # interpreter at exit in obstore 0.12.
         root.mkdir(parents=True, exist_ok=True)
         return LocalStore(prefix=root)
-    if parsed.scheme == "s3":
-        s3 = s3 or S3Options()
-        config: dict[str, str] = {}
-        if s3.endpoint:
-            config["endpoint"] = s3.endpoint
-        if s3.region:
-            config["region"] = s3.region
-        if s3.access_key_id:
-            config["access_key_id"] = s3.access_key_id
-        if s3.secret_access_key:
-            config["secret_access_key"] = s3.secret_access_key
-        prefix = parsed.path.strip("/") or None
-        return S3Store(
-            parsed.netloc,
-            prefix=prefix,
-            config=config,  # type: ignore[arg-type]  # obstore's S3Config is a TypedDict of these keys
-            client_options={"allow_http": s3.allow_http},
-        )
-    raise ValueError(f"unsupported store URL {url!r}: use file://, s3:// or memory://")
+    keys = {key.lower(): value for key, value in options.items()}
+    client = {key: _client_option(key, value) for key, value in keys.items() if key in CLIENT_OPTION_KEYS}
+    config = {key: value for key, value in keys.items() if key not in CLIENT_OPTION_KEYS}
+    try:
+        return from_url(url, config=config, client_options=client)  # type: ignore[call-overload]
+    except Exception as exc:  # obstore's errors for an unknown scheme or option are generic
+        raise ValueError(f"cannot open store {url!r} with options {sorted(keys)}: {exc}") from exc
 
 
 class ObjectStorage:
@@ -80,9 +83,9 @@ class ObjectStorage:
     interpreter at exit now and then (obstore 0.12, Python 3.11), a thread costs nothing here.
     """
 
-    def __init__(self, url: str, *, s3: S3Options | None = None) -> None:
+    def __init__(self, url: str, *, options: Mapping[str, str] | None = None) -> None:
         self.url = url
-        self._store = _open_store(url, s3)
+        self._store = _open_store(url, options or {})
 
     async def _call(self, key: str, fn: Callable[[], T]) -> T:
         try:

@@ -47,7 +47,7 @@ def upload_body(description: str) -> dict:
 
 def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage | None = None) -> FastAPI:
     settings = settings or RegistrySettings()
-    storage = storage or ObjectStorage(settings.store_url, s3=settings.s3_options())
+    storage = storage or ObjectStorage(settings.store_url, options=settings.store_options)
     announcer = RedisAnnouncer(settings.redis_url, settings.redis_prefix) if settings.redis_url else None
     registry = Registry(storage, settings, announce=announcer.announce if announcer else None)
     if not settings.api_token:

@@ -5,18 +5,15 @@ from __future__ import annotations
 from pydantic import Field
 
 from shared.settings import ServiceSettings
-from shared.storage import S3Options
 
 
 class RegistrySettings(ServiceSettings):
     port: int = 8100
-    # file://<dir> (default), s3://<bucket>[/<prefix>] for S3/MinIO; memory:// only for tests.
+    # file://<dir> (default), s3://<bucket>[/<prefix>] for S3/MinIO, gs://, az://; memory:// only
+    # for tests. store_options: the store's connection settings in obstore's names (shared.storage),
+    # one variable each: SPARSECAST_STORE_OPTIONS__ENDPOINT=http://minio:9000, ..._REGION, ...
     store_url: str = "file://./data/registry"
-    s3_endpoint: str | None = None
-    s3_region: str | None = None
-    s3_access_key_id: str | None = None
-    s3_secret_access_key: str | None = None
-    s3_allow_http: bool = False
+    store_options: dict[str, str] = Field(default_factory=dict)
     # api_token: the bearer token for writes and for plans that may build merged patches. Unset:
     # writes are open, which is allowed on a loopback bind only (the service refuses to start
     # otherwise). run: the run served by default (e.g. the CLI's); the HTTP API serves any run
@@ -40,12 +37,3 @@ class RegistrySettings(ServiceSettings):
     # long; plans and announcements list at most peer_max_listed peers per object.
     peer_ttl_s: float = Field(default=60.0, gt=0)
     peer_max_listed: int = Field(default=3, ge=0)
-
-    def s3_options(self) -> S3Options:
-        return S3Options(
-            endpoint=self.s3_endpoint,
-            region=self.s3_region,
-            access_key_id=self.s3_access_key_id,
-            secret_access_key=self.s3_secret_access_key,
-            allow_http=self.s3_allow_http,
-        )

@@ -37,7 +37,6 @@ from services.rollout.sync import (
     WeightSync,
     bootstrap_model,
     check_run_ready,
-    match_registry_version,
 )
 from services.rollout.worker import LOOP as WORKER_LOOP
 from services.rollout.worker import RolloutWorker
@@ -60,7 +59,7 @@ async def build_core(settings: RolloutSettings, client: RegistryClient | None) -
     if settings.model:
         core = await asyncio.to_thread(RolloutCore.from_model_dir, settings, Path(settings.model))
         if client is not None:
-            known = await match_registry_version(client, core.weights.fingerprint)
+            known = await client.version_of(core.weights.fingerprint)
             if known is not None:
                 core.weights.version = known
             else:  # local weights are not a published version: take the registry's snapshot path

@@ -110,9 +110,12 @@ class RolloutCore:
     def kv_config(self, policy: str | None = None, budget: int | None = None, **extra: Any) -> KVConfig:
         if self.engine.name in DENSE_ONLY_ENGINES:
             return KVConfig(policy="dense")
+        policy = policy or self.settings.kv_policy
         return KVConfig(
-            policy=policy or self.settings.kv_policy,
+            policy=policy,
             budget=budget or self.settings.kv_budget,
+            layer_budgets=extra.pop("layer_budgets", None) or (
+                self.settings.kv_layer_budgets if policy != "dense" else "uniform"),
             buffer=extra.pop("buffer", None) or self.settings.kv_buffer,
             keep_prompt=extra.pop("keep_prompt", self.settings.kv_keep_prompt),
             **extra,

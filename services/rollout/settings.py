@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 
 from shared.coord import CoordSettings
 from shared.dtypes import ModelDtype
-from shared.kv import DEFAULT_KV_BUDGET, DEFAULT_KV_BUFFER, Policy
+from shared.kv import DEFAULT_KV_BUDGET, DEFAULT_KV_BUFFER, LayerBudgets, Policy
 from shared.settings import ModelServiceSettings
 
 
@@ -32,6 +32,8 @@ class RolloutSettings(ModelServiceSettings):
     # Sparse-RL's semantics, the budget counts every cached token and the prompt becomes evictable
     # at the first compression.
     kv_keep_prompt: bool = True
+    # How sparse policies spread the budget over the layers (uniform, or PyramidKV's pyramid).
+    kv_layer_budgets: LayerBudgets = "uniform"
 
     # Request limits: a request asks for at most max_batch sequences (prompts × n).
     max_batch: int = Field(default=64, ge=1)

@@ -61,14 +61,6 @@ async def bootstrap_model(client: RegistryClient, dest: Path) -> int:
     return result.version
 
 
-async def match_registry_version(client: RegistryClient, local_fingerprint: str) -> int | None:
-    """The newest published version whose fingerprint equals the local weights', if any."""
-    for manifest in sorted(await client.versions(), key=lambda m: m.version, reverse=True):
-        if manifest.fingerprint == local_fingerprint:
-            return manifest.version
-    return None
-
-
 class EngineWeights(WeightTarget):
     """The serving engine's weights: written under the engine lock, status kept in core.weights."""
 

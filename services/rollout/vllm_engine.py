@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,30 @@ def fused_groups(names: Iterable[str], packed_modules: dict[str, list[str]]) -> 
         by_layer.setdefault(key, []).append(name)
         layer_of[name] = key
     return {name: by_layer[key] for name, key in layer_of.items()}
+
+
+def whole_layer_chunks(state: dict[str, torch.Tensor], names: Iterable[str], groups: dict[str, list[str]],
+                       chunk_bytes: int = _RELOAD_CHUNK_BYTES) -> Iterator[dict[str, torch.Tensor]]:
+    """The named tensors of `state` completed to whole vLLM layers (`groups` from `fused_groups`), in
+    state-dict order, batched into chunks of at most `chunk_bytes` (one layer may exceed it): what
+    one in-place reload may receive, since vLLM rebuilds a layer from what one call delivers."""
+    send = {member for name in names for member in groups[name]}
+    chunk: dict[str, torch.Tensor] = {}
+    size = 0
+    done: set[str] = set()
+    for name in state:
+        if name not in send or name in done:
+            continue
+        layer = groups[name]
+        layer_bytes = sum(state[n].nbytes for n in layer)
+        if chunk and size + layer_bytes > chunk_bytes:
+            yield chunk
+            chunk, size = {}, 0
+        chunk.update({n: state[n] for n in layer})
+        size += layer_bytes
+        done.update(layer)
+    if chunk:
+        yield chunk
 
 
 class VLLMEngine:
@@ -162,23 +186,8 @@ class VLLMEngine:
             raise KeyError(f"not in the state dict: {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
         if not names:
             return
-        send = {member for name in names for member in self._groups[name]}
-        # Whole layers per rpc, in state-dict order (vLLM buffers a layer until all its parts came).
-        chunk: dict[str, torch.Tensor] = {}
-        size = 0
-        done: set[str] = set()
-        for name in self._state:
-            if name not in send or name in done:
-                continue
-            layer = self._groups[name]
-            layer_bytes = sum(self._state[n].nbytes for n in layer)
-            if chunk and size + layer_bytes > _RELOAD_CHUNK_BYTES:
-                self._reload(chunk)
-                chunk, size = {}, 0
-            chunk.update({n: self._state[n] for n in layer})
-            size += layer_bytes
-            done.update(layer)
-        self._reload(chunk)
+        for chunk in whole_layer_chunks(self._state, names, self._groups):
+            self._reload(chunk)
         # Cached prefixes hold KV computed with the old weights.
         self.llm.reset_prefix_cache()
 

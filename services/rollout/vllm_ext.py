@@ -18,6 +18,45 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 
+def redispatch_cpu_gemms(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Rebuild the CPU GEMM handle of layers that keep a reloaded weight (the vocab embedding,
+    and the LM head tied to it).
+
+    On CPU, vLLM gives such a layer a oneDNN matmul handle built from its weight at load time.
+    The layerwise reload re-processes only the modules it loaded into; the tied LM head is a
+    module of its own that shares the embedding's weight and is never named, so it kept its
+    old handle, and where oneDNN packs the weight into the handle (seen on an AVX512-BF16 CPU
+    without AMX) it kept computing with the old embedding: after a patch of the tied
+    embedding, greedy tokens were off by up to 5.8 logits. Layers whose weight vLLM drops after
+    packing (linear layers) are rebuilt by the reload itself and are untouched here.
+    """
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    reloaded: set[int] = set()  # storage of the reloaded weights that layers keep
+    for name in weights:
+        try:
+            tensor = model.get_parameter(name)
+        except AttributeError:
+            continue  # fused in vLLM under another name (q_proj → qkv_proj): a linear layer
+        if tensor.numel():
+            reloaded.add(tensor.untyped_storage().data_ptr())
+    # Every layer computing with one of them: the tied LM head is a module of its own that
+    # shares the embedding's weight and was not named in the reload.
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and weight.ndim == 2
+                and weight.numel() and weight.untyped_storage().data_ptr() in reloaded):
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+
+def packed_modules(model: torch.nn.Module) -> dict[str, list[str]]:
+    """The model's fused-layer map, e.g. {"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...}."""
+    return {packed: list(parts) for packed, parts in getattr(model, "packed_modules_mapping", {}).items()}
+
+
 class SparsecastWorkerExtension:
     model_runner: Any  # provided by the vLLM worker this class is mixed into
 
@@ -32,47 +71,12 @@ class SparsecastWorkerExtension:
         """
         weights = load_safetensors(data)
         self.model_runner.reload_weights(weights_iterator=list(weights.items()), is_checkpoint_format=True)
-        self._sparsecast_redispatch_cpu_gemms(weights)
+        redispatch_cpu_gemms(self.model_runner.get_model(), weights)
         return len(weights)
-
-    def _sparsecast_redispatch_cpu_gemms(self, weights: dict[str, torch.Tensor]) -> None:
-        """Rebuild the CPU GEMM handle of layers that keep a reloaded weight (the vocab embedding,
-        and the LM head tied to it).
-
-        On CPU, vLLM gives such a layer a oneDNN matmul handle built from its weight at load time.
-        The layerwise reload re-processes only the modules it loaded into; the tied LM head is a
-        module of its own that shares the embedding's weight and is never named, so it kept its
-        old handle, and where oneDNN packs the weight into the handle (seen on an AVX512-BF16 CPU
-        without AMX) it kept computing with the old embedding: after a patch of the tied
-        embedding, greedy tokens were off by up to 5.8 logits. Layers whose weight vLLM drops after
-        packing (linear layers) are rebuilt by the reload itself and are untouched here.
-        """
-        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cpu():
-            return
-        model = self.model_runner.get_model()
-        reloaded: set[int] = set()  # storage of the reloaded weights that layers keep
-        for name in weights:
-            try:
-                tensor = model.get_parameter(name)
-            except AttributeError:
-                continue  # fused in vLLM under another name (q_proj → qkv_proj): a linear layer
-            if tensor.numel():
-                reloaded.add(tensor.untyped_storage().data_ptr())
-        # Every layer computing with one of them: the tied LM head is a module of its own that
-        # shares the embedding's weight and was not named in the reload.
-        for module in model.modules():
-            weight = getattr(module, "weight", None)
-            if (hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and weight.ndim == 2
-                    and weight.numel() and weight.untyped_storage().data_ptr() in reloaded):
-                dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
     def sparsecast_packed_modules(self) -> dict[str, list[str]]:
         """The model's fused-layer map, e.g. {"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...}."""
-        model = self.model_runner.get_model()
-        return {packed: list(parts) for packed, parts in getattr(model, "packed_modules_mapping", {}).items()}
+        return packed_modules(self.model_runner.get_model())
 
     def sparsecast_install_logprob_hook(self) -> bool:
         """Make vLLM report the sampler log-prob of docs/internals.md, also under top-k/top-p.

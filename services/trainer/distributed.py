@@ -16,8 +16,10 @@ the same order. Rank 0 alone gets the results.
   sequence) count, all-reduced. A rank with fewer micro-batches runs empty passes so the
   collectives match.
 - Publishing: each rank keeps its own shard of the bf16 published weights and compares it with
-  the new one (shared.patch.sharded); only the changes and fingerprint parts go to rank 0, which
-  assembles the one container the single-process path would make. No rank holds the whole model.
+  the new one (shared.patch.sharded); each tensor's changed slices go to one rank (all-to-all of
+  raw bytes), which joins and entropy-codes it, and the coded streams go to rank 0 (a gather of
+  raw bytes), which lays out the one container the single-process path would make. No rank holds
+  the whole model.
 - Checkpoints: torch.distributed.checkpoint, read back at any world size.
 """
 
@@ -28,6 +30,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -44,13 +47,18 @@ from services.trainer.batching import TrainBatch
 from services.trainer.learner import Captured, Learner, resolve_device
 from services.trainer.rollout_math import token_logprobs
 from services.trainer.settings import TrainerSettings
+from shared.patch.codec import CHUNK_BYTES, build_patch, entropy_code
+from shared.patch.format import EncodedTensor
 from shared.patch.sharded import (
-    SliceChanges,
-    SliceSums,
-    assemble_patch,
+    dense_size,
+    encode_shard,
     fingerprint_from_slices,
-    slice_changes,
-    slice_sums,
+    owners,
+    pack_encoded,
+    receive_sizes,
+    shard_sums,
+    unpack,
+    unpack_encoded,
 )
 from shared.tasks import Task
 
@@ -265,7 +273,7 @@ class DistributedLearner(Learner):
         self.numel = sum(math.prod(shape) for _, shape in self._meta.values())
         self.dense_bytes = 2 * self.numel
         self.published = {name: local.detach().to(torch.bfloat16, copy=True) for name, local, _, _ in slices}
-        sums = [slice_sums(name, self.published[name], start) for name, _, start, _ in slices]
+        sums = shard_sums([(name, self.published[name], start) for name, _, start, _ in slices])
         gathered = self._gather(sums)
         self.published_fingerprint = (
             fingerprint_from_slices(self._meta, _flat(gathered)) if self.rank == 0 else ""
@@ -279,27 +287,74 @@ class DistributedLearner(Learner):
         return out or []
 
     def _capture(self, full_state: bool) -> Captured | None:
+        """Every rank: compare and encode its shard (shared.patch.sharded), send each tensor's
+        slices to the rank that entropy-codes it (one all-to-all of raw bytes), code its share,
+        and send the coded streams to rank 0 (one gather of raw bytes), which lays out the patch
+        in make_patch. Rank 0 gets the seconds of each phase in Captured.timings."""
+        t0 = time.perf_counter()
         new = {name: local.detach().to(torch.bfloat16, copy=True) for name, local, _, _ in self._slices()}
-        changes: list[SliceChanges] = []
-        sums: list[SliceSums] = []
+        offsets = {name: start for name, (start, _) in self._offsets.items()}
         with torch.no_grad():
-            for name, tensor in new.items():
-                start = self._offsets[name][0]
-                changes.append(slice_changes(name, self.published[name], tensor, start))
-                sums.append(slice_sums(name, tensor, start))
+            encoding = encode_shard(self.published, new, offsets)
+            sums = shard_sums([(name, new[name], offsets[name]) for name in encoding.names])
         self.published = new
-        gathered = self._gather((changes, sums))
+        t1 = time.perf_counter()
+        metas = self._all_gather_rows(encoding.meta)
+        owner = owners(metas)
+        send, send_sizes = encoding.pack(owner, self.world_size)
+        received = self._all_to_all(send, send_sizes, receive_sizes(metas, encoding.widths, owner, self.rank))
+        t2 = time.perf_counter()
+        encoded = entropy_code(unpack(received, metas, encoding, owner, self.rank, self._meta))
+        t3 = time.perf_counter()
+        blobs = self._gather_bytes(pack_encoded(encoded, encoding.names))
+        gathered = self._gather((sums, [t1 - t0, t3 - t2]))
         state = self._full(new) if full_state else None
         if self.rank != 0:
             return None
+        streams = [e for blob in blobs for e in unpack_encoded(blob, encoding.names, self._meta)]
         base_fp = self.published_fingerprint
         target_fp = self.published_fingerprint = fingerprint_from_slices(
-            self._meta, _flat(g[1] for g in gathered)
+            self._meta, _flat(g[0] for g in gathered)
         )
+        timings = {
+            "encode": t1 - t0,  # this rank's compare + encode + fingerprint parts
+            "encode_max": max(g[1][0] for g in gathered),  # the slowest rank's
+            "exchange": t2 - t1,  # the all-to-all (waits for the slowest encoder)
+            "entropy": t3 - t2,  # this rank's join + zstd of the tensors it owns
+            "entropy_max": max(g[1][1] for g in gathered),
+            "gather": time.perf_counter() - t3,  # coded streams and sums to rank 0
+        }
         make_patch = functools.partial(
-            _assemble, self._meta, _flat(g[0] for g in gathered), base_fp, target_fp
+            _build, self._meta, sorted(streams, key=lambda e: e.name), base_fp, target_fp
         )
-        return Captured(make_patch, target_fp, state)
+        return Captured(make_patch, target_fp, state, timings)
+
+    # -- raw-byte collectives on the compute group (NCCL on GPUs: tensors on this rank's device) --
+
+    def _all_gather_rows(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's int64 table of the same shape (host), by rank."""
+        parts = [torch.empty_like(rows, device=self.device) for _ in range(self.world_size)]
+        dist.all_gather(parts, rows.to(self.device))
+        return list(torch.stack(parts).cpu().unbind())
+
+    def _all_to_all(
+        self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]
+    ) -> list[torch.Tensor]:
+        """Bytes send[...] split by send_sizes to each rank; returns what each rank sent here (host)."""
+        received = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
+        dist.all_to_all_single(received, send.to(self.device), recv_sizes, send_sizes)
+        return list(received.cpu().split(recv_sizes))
+
+    def _gather_bytes(self, data: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's uint8 buffer on rank 0's host, by rank ([] on the others); sizes first."""
+        sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world_size)]
+        dist.all_gather(sizes, torch.tensor([data.numel()], device=self.device))
+        lengths = [int(n) for n in torch.cat(sizes).cpu()]
+        padded = torch.zeros(max(1, *lengths), dtype=torch.uint8, device=self.device)
+        padded[: data.numel()] = data.to(self.device)
+        out = [torch.empty_like(padded) for _ in lengths] if self.rank == 0 else None
+        dist.gather(padded, out, dst=0)
+        return [t[:n].cpu() for t, n in zip(out, lengths, strict=True)] if out is not None else []
 
     def _full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Whole tensors on rank 0's host from every rank's slices ({} on the others)."""
@@ -363,23 +418,26 @@ def _flat(lists: Any) -> list[Any]:
     return [item for items in lists for item in items]
 
 
-def _assemble(
+def _build(
     meta: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-    changes: list[SliceChanges],
+    encoded: list[EncodedTensor],
     base_fp: str,
     target_fp: str,
     run: str,
     base_version: int,
     target_version: int,
 ) -> bytes:
-    return assemble_patch(
-        meta,
-        changes,
+    dense_bytes, numel = dense_size(meta)
+    return build_patch(
+        encoded,
         run=run,
         base_version=base_version,
-        target_version=target_version,
         base_fingerprint=base_fp,
+        target_version=target_version,
         target_fingerprint=target_fp,
+        chunk_bytes=CHUNK_BYTES,
+        dense_bytes=dense_bytes,
+        numel=numel,
     )
 
 

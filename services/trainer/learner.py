@@ -18,7 +18,7 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -69,6 +69,7 @@ class Captured:
     make_patch: Callable[[str, int, int], bytes]
     fingerprint: str
     state: dict[str, torch.Tensor] | None = None
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase (sharded capture)
 
 
 class Learner:

@@ -36,6 +36,7 @@ _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MAX_VARINT_BYTES = 9  # 9 * 7 = 63 bits: every non-negative int64
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a standard zstd frame (skippable frames use other magics)
 ZSTD_LEVEL = 1  # on these streams levels 3 and 6 were no smaller than 1 (measured), only slower
+CHUNK_BYTES = 4 << 20  # a patch's checksummed chunk (the default of every writer)
 _MASK_BYTES = 1 << 30  # changed-element masks (1 byte each) held before their counts are fetched
 _POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="sparsecast-zstd")
 _local = threading.local()
@@ -87,8 +88,14 @@ def unzigzag(z: torch.Tensor) -> torch.Tensor:
 
 def varint_encode(values: torch.Tensor) -> torch.Tensor:
     """LEB128 of non-negative int64 values, vectorised: one pass per byte position (≤ 9)."""
+    return varint_encode_lengths(values)[0]
+
+
+def varint_encode_lengths(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(varint_encode(values), each value's byte count): a caller encoding several tensors' values
+    in one call finds each one's bytes from the counts."""
     if not values.numel():
-        return torch.empty(0, dtype=torch.uint8, device=values.device)
+        return torch.empty(0, dtype=torch.uint8, device=values.device), torch.zeros_like(values)
     longest = max(1, (int(values.max()).bit_length() + 6) // 7)
     n_bytes = torch.ones_like(values)
     for k in range(1, longest):  # usually 1-2 passes: gaps are small
@@ -103,7 +110,7 @@ def varint_encode(values: torch.Tensor) -> torch.Tensor:
         more = (n_bytes if sel is None else n_bytes[sel]) > k + 1
         pos = (starts if sel is None else starts[sel]) + k
         out[pos] = (byte | (more.to(torch.int64) << 7)).to(torch.uint8)
-    return out
+    return out, n_bytes
 
 
 def varint_decode(data: torch.Tensor, count: int) -> torch.Tensor:
@@ -366,7 +373,7 @@ def extract_patch(
     encoding: Encoding = "auto",
     base_fingerprint: str | None = None,
     target_fingerprint: str | None = None,
-    chunk_bytes: int = 4 << 20,
+    chunk_bytes: int = CHUNK_BYTES,
 ) -> bytes:
     """The patch turning `old` into `new` (same names, shapes, dtypes), as container bytes."""
     if encoding not in ("auto", *ENCODINGS):

@@ -87,6 +87,13 @@ class RegistryClient(Publisher):
     async def manifest(self, version: int) -> Manifest:
         return Manifest.model_validate(await self._get_json(f"manifests/{version}"))
 
+    async def version_of(self, fingerprint: str) -> int | None:
+        """The newest published version whose weights have this fingerprint, if any."""
+        for manifest in sorted(await self.versions(), key=lambda m: m.version, reverse=True):
+            if manifest.fingerprint == fingerprint:
+                return manifest.version
+        return None
+
     async def plan(self, from_version: int | None, to_version: int | None = None) -> Plan:
         """Cheapest way from from_version (None: no weights) to to_version (None: latest)."""
         params: dict[str, int] = {"from": -1 if from_version is None else from_version}

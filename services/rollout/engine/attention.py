@@ -14,11 +14,24 @@ rounded up to the cache's `span_bucket` slots on CUDA so attention sees few dist
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from services.rollout.engine.attention_weights import grouped_probs
 from services.rollout.engine.kv_cache import KVCache
+
+
+@dataclass
+class _DecodePlan:
+    """How one decode step writes and attends in the layers whose rows store these lengths."""
+
+    slot: int | None  # the slot every row writes (rows in lockstep), else per-row slots
+    slots: torch.Tensor  # [B] per-row slots (the lengths)
+    span: int  # slots attention reads
+    mask: torch.Tensor | None  # [B, 1, 1, S] bool, when rows differ or H2O needs the weights
+    bias: torch.Tensor | None  # the mask as an additive bias, for SDPA
 
 
 class CacheAttention:
@@ -28,11 +41,8 @@ class CacheAttention:
         self.cache = cache
         self._prefill_mask = torch.empty(0, dtype=torch.bool)
         self._prefill_lengths = torch.empty(0, dtype=torch.long)
-        self._slot: int | None = None
-        self._rows = self._slots = torch.empty(0)
-        self._span = 0
-        self._decode_mask: torch.Tensor | None = None
-        self._bias: torch.Tensor | None = None
+        self._rows = torch.empty(0)
+        self._plans: list[_DecodePlan] = []
 
     # ------------------------------------------------------------------ prefill
     def begin_prefill(self, width: int) -> None:
@@ -44,15 +54,14 @@ class CacheAttention:
         self._prefill_mask = (causal[None] & key_ok[:, None, :]).unsqueeze(1)  # [B, 1, T, T]
         c.positions[:, :, :, :width] = slots.to(torch.int32)
         self._prefill_lengths = lengths
-        c.lengths = list(c.prompt_lengths)
-        c.set_lengths_t(lengths)
+        c.set_layer_lengths([list(c.prompt_lengths)] * c.num_layers)
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """AttendFn for the padded prompt batch: q [B, Hq, T, D], k/v [B, Hkv, T, D]."""
         c = self.cache
         width = q.shape[2]
-        c.k[layer, :, :, :width] = k
-        c.v[layer, :, :, :width] = v
+        c.k[layer][:, :, :width] = k
+        c.v[layer][:, :, :width] = v
         if c.q_window is not None:
             w = c.kv.window
             idx = (self._prefill_lengths[:, None] - w + torch.arange(w, device=c.device)).clamp(min=0)
@@ -69,51 +78,62 @@ class CacheAttention:
     def begin_decode(self, positions: torch.Tensor) -> None:
         """Prepare one decode step; positions [B] are the logical positions of the new tokens."""
         c = self.cache
-        longest, shortest = max(c.lengths), min(c.lengths)
-        # Rows in lockstep write the same slot: plain slicing instead of an index_put per layer.
-        self._slot = longest if longest == shortest else None
         self._rows = torch.arange(c.batch, device=c.device)
-        self._slots = c.lengths_t
-        if self._slot is not None and c.attn_acc is None:
-            self._span, self._decode_mask, self._bias = longest + 1, None, None
-        else:
-            bucket = c.span_bucket
-            self._span = min(c.capacity, -(-(longest + 1) // bucket) * bucket)
-            slot = torch.arange(self._span, device=c.device)
-            self._decode_mask = (slot[None, :] <= self._slots[:, None])[:, None, None, :]  # [B, 1, 1, S]
-            # SDPA would turn a bool mask into this additive one in every layer; do it once per step.
-            self._bias = (torch.zeros(self._decode_mask.shape, dtype=c.k.dtype, device=c.device)
-                          .masked_fill_(~self._decode_mask, float("-inf")) if c.attn_acc is None else None)
-        if self._slot is not None:
-            c.positions[:, :, :, self._slot] = positions.to(torch.int32)[None, :, None]
-        else:
-            c.positions[:, self._rows, :, self._slots] = positions.to(torch.int32)[:, None, None]
+        plans: dict[tuple[int, ...], _DecodePlan] = {}  # layers storing the same lengths share one
+        self._plans = []
+        for layer in range(c.num_layers):
+            lengths = c.layer_lengths(layer)
+            key = (c.capacities[layer], *lengths)
+            if key not in plans:
+                plans[key] = self._plan(lengths, c.lengths_t[layer], c.capacities[layer])
+            self._plans.append(plans[key])
+        layers, batch, heads, _ = c.positions.shape
+        shape = (layers, batch, heads, 1)
+        c.positions.scatter_(3, c.lengths_t[:, :, None, None].expand(shape),
+                             positions.to(torch.int32).view(1, batch, 1, 1).expand(shape))
+
+    def _plan(self, lengths: list[int], slots: torch.Tensor, capacity: int) -> _DecodePlan:
+        c = self.cache
+        longest, shortest = max(lengths), min(lengths)
+        # Rows in lockstep write the same slot: plain slicing instead of an index_put per layer.
+        slot = longest if longest == shortest else None
+        if slot is not None and c.attn_acc is None:
+            return _DecodePlan(slot, slots, longest + 1, None, None)
+        bucket = c.span_bucket
+        span = min(capacity, -(-(longest + 1) // bucket) * bucket)
+        arange = torch.arange(span, device=c.device)
+        mask = (arange[None, :] <= slots[:, None])[:, None, None, :]  # [B, 1, 1, S]
+        # SDPA would turn a bool mask into this additive one in every layer; do it once per step.
+        bias = (torch.zeros(mask.shape, dtype=c.k[0].dtype, device=c.device)
+                .masked_fill_(~mask, float("-inf")) if c.attn_acc is None else None)
+        return _DecodePlan(slot, slots, span, mask, bias)
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """AttendFn for one new token per row: q [B, Hq, 1, D], k/v [B, Hkv, 1, D]."""
-        c = self.cache
+        c, plan = self.cache, self._plans[layer]
         b = q.shape[0]
-        if self._slot is not None:
-            c.k[layer, :, :, self._slot] = k[:, :, 0]
-            c.v[layer, :, :, self._slot] = v[:, :, 0]
+        k_cache, v_cache = c.k[layer], c.v[layer]
+        if plan.slot is not None:
+            k_cache[:, :, plan.slot] = k[:, :, 0]
+            v_cache[:, :, plan.slot] = v[:, :, 0]
         else:
-            c.k[layer, self._rows, :, self._slots] = k[:, :, 0]
-            c.v[layer, self._rows, :, self._slots] = v[:, :, 0]
+            k_cache[self._rows, :, plan.slots] = k[:, :, 0]
+            v_cache[self._rows, :, plan.slots] = v[:, :, 0]
         if c.q_window is not None:
             c.q_window[layer, :, :, c.q_next] = q[:, :, 0]
-        keys = c.k[layer, :, :, : self._span]
-        values = c.v[layer, :, :, : self._span]
+        keys = k_cache[:, :, : plan.span]
+        values = v_cache[:, :, : plan.span]
         if c.attn_acc is None:
             # Fused kernel when no policy needs the weights. The G query heads of a KV head act as G
             # queries of that head, so no GQA support or K/V repeat is needed from the kernel.
             qg = q.view(b, c.num_kv_heads, c.group, c.head_dim)
-            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self._bias)
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=plan.bias)
             # reshape, not view: CUDA's memory-efficient kernel returns [B, Hkv, G, D] with the G
             # queries outermost in memory (fp32 on an H200), which no view can merge into Hq.
             return out.reshape(b, c.num_heads, 1, c.head_dim)
-        assert self._decode_mask is not None  # begin_decode makes one whenever attention is accumulated
-        probs = grouped_probs(q, keys, self._decode_mask[:, :, None])  # [B, Hkv, G, 1, S]
-        c.attn_acc[layer, :, :, : self._span] += probs[:, :, :, 0].mean(dim=2)
+        assert plan.mask is not None  # _plan makes one whenever attention is accumulated
+        probs = grouped_probs(q, keys, plan.mask[:, :, None])  # [B, Hkv, G, 1, S]
+        c.attn_acc[layer, :, :, : plan.span] += probs[:, :, :, 0].mean(dim=2)
         out = torch.matmul(probs.to(values.dtype), values[:, :, None])  # [B, Hkv, G, 1, D]
         return out.view(b, c.num_heads, 1, c.head_dim)
 

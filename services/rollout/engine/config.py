@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shared.kv import DEFAULT_KV_BUDGET, DEFAULT_KV_BUFFER, Policy
+from shared.kv import DEFAULT_KV_BUDGET, DEFAULT_KV_BUFFER, DEFAULT_PYRAMID_BETA, LayerBudgets, Policy
 from shared.schemas import KVStats
 
 FinishReason = Literal["stop", "length"]
@@ -54,17 +54,53 @@ class KVConfig(BaseModel):
         default=0.5, ge=-1.0, le=1.0, description="R-KV near-duplicate cosine"
     )
     sink_tokens: int = Field(default=4, ge=0, description="streaming: first tokens always kept")
+    # How `budget` is spread over the layers (shared.kv.LAYER_BUDGETS): every layer keeps `budget`,
+    # or PyramidKV's arithmetic decrease from the bottom layer to the top, `layers × budget` in all.
+    layer_budgets: LayerBudgets = "uniform"
+    pyramid_beta: float = Field(
+        default=DEFAULT_PYRAMID_BETA, gt=1.0, description="pyramid: the top layer keeps budget / beta"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> KVConfig:
         if self.kernel % 2 == 0:
             raise ValueError(f"kernel must be odd, got {self.kernel}")
+        if self.policy == "dense" and self.layer_budgets != "uniform":
+            raise ValueError("per-layer budgets need an evicting policy, not dense")
         if self.policy == "streaming":
             if self.budget < self.sink_tokens + 1:
                 raise ValueError(f"budget {self.budget} must exceed sink_tokens {self.sink_tokens}")
         elif self.policy != "dense" and self.budget < self.window:
             raise ValueError(f"budget {self.budget} must be at least the window {self.window}")
         return self
+
+    @property
+    def min_layer_budget(self) -> int:
+        """The fewest tokens a pyramid gives a layer (unless `budget` itself is smaller): every
+        compression keeps the `window` most recent tokens, and streaming its sinks too."""
+        return self.window + (self.sink_tokens if self.policy == "streaming" else 0)
+
+
+def layer_budgets(kv: KVConfig, num_layers: int) -> list[int]:
+    """Evictable tokens each layer keeps after a compression; they sum to num_layers × budget.
+
+    pyramid (PyramidKV, Cai et al. 2024, its budget formula as in KVCache-Factory): an arithmetic
+    sequence from the bottom layer's 2·budget − low down to the top layer's low = budget / beta
+    (raised to `min_layer_budget`, at most `budget`: then every layer keeps `budget`), mean
+    `budget`; rounded to integers by largest remainder so the total is exact and no layer drops
+    below the low end.
+    """
+    if kv.layer_budgets == "uniform" or num_layers == 1:
+        return [kv.budget] * num_layers
+    low = min(float(kv.budget), max(kv.budget / kv.pyramid_beta, float(kv.min_layer_budget)))
+    high = 2 * kv.budget - low
+    ideal = [high - (high - low) * layer / (num_layers - 1) for layer in range(num_layers)]
+    budgets = [int(b) for b in ideal]
+    short = num_layers * kv.budget - sum(budgets)
+    # Largest fractional parts first; ties go to the lower layer (the pyramid's wide end).
+    for layer in sorted(range(num_layers), key=lambda i: (budgets[i] - ideal[i], i))[:short]:
+        budgets[layer] += 1
+    return budgets
 
 
 @dataclass
@@ -99,4 +135,5 @@ __all__ = [
     "Policy",
     "SamplingParams",
     "check_token_ids",
+    "layer_budgets",
 ]

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import services.rollout.engine.kernels as kernels
-from services.rollout.engine.kv_cache import KVCache
+from services.rollout.engine.kv_cache import StaticStorage
 from services.rollout.models.decoder import MLP, Attention, DecoderLayer, DecoderLM, RMSNorm
 
 Fused = list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]]
@@ -48,17 +48,38 @@ def _parts(layer: nn.Module) -> tuple[DecoderLayer, Attention, MLP]:
     return decoder_layer, cast(Attention, decoder_layer.self_attn), cast(MLP, decoder_layer.mlp)
 
 
+def _linears(layer: nn.Module) -> list[nn.Linear]:
+    _, attn, mlp = _parts(layer)
+    return [cast(nn.Linear, m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)]
+
+
+def _aliased(linears: list[nn.Linear], weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the linears' parameters are still the views of (weight, bias) that _fuse made."""
+    at = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        bias_moved = bias is not None and (
+            lin.bias is None or lin.bias.data_ptr() != bias[at:at + rows].data_ptr())
+        if lin.weight.data_ptr() != weight[at:at + rows].data_ptr() or bias_moved:
+            return False
+        at += rows
+    return True
+
+
 def fuse_projections(model: DecoderLM) -> Fused:
-    """Per layer (qkv weight, qkv bias, gate_up weight, gate_up bias); idempotent."""
+    """Per layer (qkv weight, qkv bias, gate_up weight, gate_up bias); idempotent while the
+    parameters stay views of the fused buffers (weight patches write in place), fused again if
+    one was replaced (e.g. `param.data = ...`), so a new capture never reads a stale copy."""
     fused: Fused | None = getattr(model, "_fused_projections", None)
+    if fused is not None and not all(
+        _aliased(_linears(layer)[:3], qkv_w, qkv_b) and _aliased(_linears(layer)[3:], gu_w, gu_b)
+        for layer, (qkv_w, qkv_b, gu_w, gu_b) in zip(model.model.layers, fused, strict=True)
+    ):
+        fused = None
     if fused is None:
         fused = []
         for layer in model.model.layers:
-            _, attn, mlp = _parts(layer)
-            linears = [
-                cast(nn.Linear, m)
-                for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
-            ]
+            linears = _linears(layer)
             fused.append((*_fuse(linears[:3]), *_fuse(linears[3:])))
         setattr(model, "_fused_projections", fused)  # noqa: B010 - not a module attribute torch tracks
     return fused
@@ -76,28 +97,27 @@ class FusedDecoder:
         self.model = model
         self.fused = fuse_projections(model)
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """tokens/positions [b] (b <= the cache's allocated rows) -> logits [b, vocab]."""
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, storage: StaticStorage) -> torch.Tensor:
+        """tokens/positions [b] (b <= the storage's rows) -> logits [b, vocab]."""
         model = self.model
         b = tokens.shape[0]
         x = model.model.embed_tokens(tokens)
         cos, sin = model.model.rotary_emb(positions[:, None], x.dtype)
         cos, sin = cos.reshape(b, -1).contiguous(), sin.reshape(b, -1).contiguous()
-        lengths = cache.static_lengths(b)
         for i, module in enumerate(model.model.layers):
             layer, attn, mlp = _parts(module)
             qkv_w, qkv_b, gu_w, gu_b = self.fused[i]
             qkv = F.linear(_norm(x, layer.input_layernorm), qkv_w, qkv_b)
-            k_cache, v_cache, q_window = cache.static_layer(i)
+            k_cache, v_cache, q_window, lengths = storage.layer(i, b)
             q_norm, k_norm = (
                 (cast(RMSNorm, attn.q_norm), cast(RMSNorm, attn.k_norm)) if attn.qk_norm else (None, None)
             )
             q = kernels.qkv_rope_store(
                 qkv, q_norm.weight if q_norm else None, k_norm.weight if k_norm else None,
                 q_norm.eps if q_norm else 0.0, cos, sin, k_cache, v_cache, lengths, q_window,
-                cache.q_next_t, attn.num_heads, attn.num_kv_heads)
+                storage.q_next, attn.num_heads, attn.num_kv_heads)
             out = kernels.decode_attention(q, k_cache, v_cache, lengths, attn.head_dim ** -0.5,
-                                           cache.attn_buffers)
+                                           storage.attn_buffers)
             x = _residual(x, out.view(b, -1), cast(nn.Linear, attn.o_proj))
             gate_up = F.linear(_norm(x, layer.post_attention_layernorm), gu_w, gu_b)
             x = _residual(x, kernels.silu_mul(gate_up), cast(nn.Linear, mlp.down_proj))

@@ -9,7 +9,12 @@ costs a copy, so it is amortised rather than done per finish).
 
 On CUDA with Triton, decode steps replay CUDA graphs (cuda_graphs.py) over a static cache, except
 for H2O, whose attention weights the fused kernels do not return; `cuda_graphs=False` keeps the
-eager step everywhere.
+eager step everywhere. The static cache's storage and its graphs outlive a call (as vLLM and
+nano-vllm capture once): the next call reuses them when its batch fits the storage (as many rows
+or fewer, per-layer capacities at most `REUSE_SLACK` slots smaller, the same query window) and
+no parameter moved; otherwise they are dropped first, then allocated and captured again. Weight
+patches write into the parameters in place (shared.patch.apply_patch, sync_weights), so the
+graphs read the new weights without a new capture. `release_decode_state()` frees them.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from services.rollout.engine.attention import CacheAttention
 from services.rollout.engine.config import GenerationOutput, KVConfig, SamplingParams, check_token_ids
 from services.rollout.engine.cuda_graphs import DecodeGraphs
 from services.rollout.engine.fused_decode import fuse_projections
-from services.rollout.engine.kv_cache import KVCache, cache_capacity
+from services.rollout.engine.kv_cache import KVCache, StaticStorage, layer_capacities
+from services.rollout.engine.policies import POLICIES
 from services.rollout.engine.sampler import sample
 from services.rollout.engine.sequence import Sequence
 from services.rollout.models.decoder import DecoderLM, load_pretrained
@@ -62,6 +68,11 @@ class LLMEngine:
             fuse_projections(self.model)
         # Allocated KV bytes of the last batch (the cache itself, not per sequence): for benchmarks.
         self.last_batch_kv_bytes = 0
+        # The static cache storage and graphs kept between calls, with the parameters' addresses
+        # they were captured over; graph_captures counts captures over the engine's life.
+        self._decode: tuple[StaticStorage, DecodeGraphs] | None = None
+        self._decode_weights: tuple[int, ...] = ()
+        self.graph_captures = 0
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu",
@@ -78,6 +89,34 @@ class LLMEngine:
 
     def weights_updated(self, names: set[str]) -> None:
         """Nothing to do: generation reads the state_dict tensors directly."""
+
+    def release_decode_state(self) -> None:
+        """Free the kept static cache and its graphs (the next CUDA-graph call allocates and captures)."""
+        self._decode = None
+
+    def _weight_addresses(self) -> tuple[int, ...]:
+        """Where every parameter and buffer lives: a graph reads them at these addresses."""
+        return tuple(t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers()))
+
+    def _static_decode(self, batch: int, capacities: list[int],
+                       kv: KVConfig) -> tuple[StaticStorage, DecodeGraphs]:
+        """The kept storage and graphs if this batch fits them (zeroed), else new ones."""
+        m = self.model
+        window = kv.window if POLICIES[kv.policy].uses_query_window else None
+        layout = (m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, self.dtype)
+        weights = self._weight_addresses()
+        if (self._decode is not None and weights == self._decode_weights
+                and self._decode[0].fits(batch, capacities, window, layout)):
+            self._decode[0].reset()
+            return self._decode
+        self._decode = None  # free the old allocation and graph pool before the new one
+        storage = StaticStorage(num_layers=m.num_layers, batch=batch, num_heads=m.num_heads,
+                                num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, capacities=capacities,
+                                window=window, dtype=self.dtype, device=self.device)
+        # DecodeGraphs fuses the projections again if one was replaced: addresses after that.
+        self._decode = storage, DecodeGraphs(m, storage)
+        self._decode_weights = self._weight_addresses()
+        return self._decode
 
     def kv_bytes_per_token(self) -> int:
         m = self.model
@@ -102,17 +141,20 @@ class LLMEngine:
         batch, width, max_new = len(prompts), max(lengths), params.max_new_tokens
         seqs = [Sequence(i, n) for i, n in enumerate(lengths)]
         use_graphs = self.cuda_graphs and kv.policy != "h2o"  # H2O needs the attention weights
+        capacities = layer_capacities(lengths, max_new, kv, model.num_layers)
+        storage, graphs = self._static_decode(batch, capacities, kv) if use_graphs else (None, None)
+        captures = graphs.captures if graphs is not None else 0
         cache = KVCache(
             num_layers=model.num_layers,
             num_heads=model.num_heads,
             num_kv_heads=model.num_kv_heads,
             head_dim=model.head_dim,
             prompt_lengths=lengths,
-            capacity=cache_capacity(lengths, max_new, kv),
+            capacity=capacities,
             kv=kv,
             dtype=self.dtype,
             device=dev,
-            static=use_graphs,
+            storage=storage,
         )
         self.last_batch_kv_bytes = cache.nbytes
 
@@ -138,7 +180,8 @@ class LLMEngine:
         rows = list(seqs)  # rows[r] = sequence in cache row r
         rows_t = torch.arange(batch, device=dev)
         positions = lengths_t.clone()
-        graphs = DecodeGraphs(model, cache, positions) if use_graphs else None
+        if graphs is not None:
+            graphs.start(positions)
         check_every = FINISH_CHECK_STEPS if len(stop_ids) else max_new  # no stop tokens: nothing to read
         checked = 0  # steps [0, checked) have been searched for stop tokens
         for step in range(max_new):
@@ -167,7 +210,7 @@ class LLMEngine:
                 hidden = model(tokens[:, None], positions[:, None], attention.decode)
                 attention.end_decode()
                 positions = positions + 1
-            for s, n in zip(rows, cache.lengths, strict=True):
+            for s, n in zip(rows, cache.stored(), strict=True):
                 if not s.finished:
                     s.record(step, n)
             if cache.needs_compression():
@@ -177,6 +220,8 @@ class LLMEngine:
             if graphs is None:
                 logits = model.logits(hidden[:, 0])
 
+        if graphs is not None:
+            self.graph_captures += graphs.captures - captures
         token_lists, logprob_lists = out_tokens.tolist(), out_logprobs.tolist()
         per_token = cache.bytes_per_token
         return [s.to_output(token_lists[s.index], logprob_lists[s.index], per_token) for s in seqs]

@@ -28,9 +28,9 @@ class KVCache(Protocol):
     """What a policy reads of the cache (kv_cache.KVCache has it); no import of the cache, which
     imports the policies."""
 
-    k: torch.Tensor
+    k: list[torch.Tensor]  # per layer [B, Hkv, capacity, D]
     positions: torch.Tensor
-    lengths_t: torch.Tensor
+    lengths_t: torch.Tensor  # [layers, B]
     attn_acc: torch.Tensor | None
 
     def window_queries(self, layer: int) -> torch.Tensor: ...
@@ -83,7 +83,7 @@ class RKV(EvictionPolicy):
 
     def score(self, cache: KVCache, layer: int, span: int, valid: torch.Tensor) -> torch.Tensor:
         importance = pool(window_attention(cache, layer, span), self.kv)
-        keys = cache.k[layer, :, :, :span]
+        keys = cache.k[layer][:, :, :span]
         if keys.is_cuda and kernels.available():
             redundancy = key_redundancy_fused(keys, valid, self.kv.similarity_threshold)
         else:
@@ -110,9 +110,9 @@ def window_attention(cache: KVCache, layer: int, span: int) -> torch.Tensor:
     lend their attention to neighbours through pooling.
     """
     q = cache.window_queries(layer)  # [B, Hq, W, D], oldest first
-    keys = cache.k[layer, :, :, :span]
+    keys = cache.k[layer][:, :, :span]
     b, _, w, d = q.shape
-    lengths = cache.lengths_t[:, None]
+    lengths = cache.lengths_t[layer][:, None]
     slot = torch.arange(span, device=q.device)
     # Window query j is the token at slot lengths - w + j.
     last_visible = lengths - w + torch.arange(w, device=q.device)[None]  # [B, W]
@@ -177,10 +177,23 @@ def key_redundancy_fused(keys: torch.Tensor, valid: torch.Tensor, threshold: flo
     """
     lengths = valid.sum(dim=-1)
     latest, value = kernels.key_redundancy_stats(keys, lengths, threshold)
-    k = keys.float()
-    k = (k / (k.norm(dim=-1, keepdim=True) + 1e-8)).masked_fill_(~valid[:, None, :, None], 0.0)
-    total = k.sum(dim=2, keepdim=True)  # [B, H, 1, D]
-    column = (k * total).sum(dim=-1) - (k * k).sum(dim=-1)  # [B, H, S]
+    column = unit_key_column_sums(keys, valid)
     column.scatter_add_(-1, latest.clamp(min=0).long(), torch.where(latest >= 0, -value, 0.0))
     mean = column / lengths.clamp(min=1)[:, None, None]
     return mean.masked_fill(~valid[:, None], float("-inf")).softmax(dim=-1)
+
+
+def unit_key_column_sums(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Σ_{i≠j} k̂_i·k̂_j for every stored key j -> fp32 [B, H, S] (k̂ = k / (|k| + 1e-8), free slots 0).
+
+    As k̂_j·Σ_i k̂_i − |k̂_j|², with the unit keys never written out: the scale 1 / (|k| + 1e-8) stays
+    a [B, H, S] vector and both sums are matrix products over the one fp32 copy of the keys. (Writing
+    k̂ and the products k̂·Σk̂, k̂·k̂ as [B, H, S, D] fp32 tensors was ~2 ms a layer at batch 112 on an
+    H100, a fifth of a compression: bench/results/compression-profile-h100-*.json.)
+    """
+    k = keys.float()
+    norm = torch.linalg.vector_norm(k, dim=-1)  # [B, H, S]
+    scale = (norm + 1e-8).reciprocal_().masked_fill_(~valid[:, None], 0.0)
+    total = torch.matmul(scale[:, :, None, :], k)  # Σ_i k̂_i: [B, H, 1, D]
+    dots = torch.matmul(k, total.transpose(-1, -2)).squeeze(-1)  # k_j·Σ_i k̂_i: [B, H, S]
+    return scale * dots - (scale * norm).square()

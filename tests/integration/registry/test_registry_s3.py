@@ -39,8 +39,9 @@ def s3_settings(endpoint: str, bucket: str) -> RegistrySettings:
         aws_secret_access_key="test",
     ).create_bucket(Bucket=bucket)
     return RegistrySettings(
-        store_url=f"s3://{bucket}/registry", s3_endpoint=endpoint, s3_region="us-east-1",
-        s3_access_key_id="test", s3_secret_access_key="test", s3_allow_http=True,
+        store_url=f"s3://{bucket}/registry",
+        store_options={"endpoint": endpoint, "region": "us-east-1", "access_key_id": "test",
+                       "secret_access_key": "test", "allow_http": "true"},
         api_token=TOKEN, piece_bytes=4096, snapshot_every=0, plan_lease_s=0, keep_snapshots=1,
     )
 

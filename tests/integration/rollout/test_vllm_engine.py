@@ -23,14 +23,13 @@ from services.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from shared.modeling import qwen3_config  # noqa: E402
 from shared.patch import apply_patch, extract_patch, fingerprint  # noqa: E402
 from shared.tokenizer import save_tokenizer  # noqa: E402
+from tests.integration.rollout.greedy import assert_greedy_parity, hf_greedy, hf_logits, hf_model  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
 PROMPTS = [[5, 17, 300, 42, 9], [800, 3, 3, 61], list(range(100, 131)), [7]]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
 DENSE = KVConfig(policy="dense")
-# Two bf16 ulps of logits around 8: how far apart two kernels' logits of one token may land.
-TIE_LOGITS = 0.125
 # Log-probs of two bf16 implementations of one model differ by up to ~0.09 nats here; a truncated
 # (top-k/top-p renormalised) log-prob would be off by -log(kept mass), over 1 nat at top_k=5.
 LOGPROB_ATOL = 0.15
@@ -63,54 +62,6 @@ def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-def hf_model(model_dir: Path, state: dict[str, torch.Tensor] | None = None) -> Qwen3ForCausalLM:
-    model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    if state is not None:
-        # The canonical state omits the tied lm_head; it follows embed_tokens.
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        assert not unexpected and set(missing) <= {"lm_head.weight"}
-    return model
-
-
-@torch.inference_mode()
-def hf_greedy(model: Qwen3ForCausalLM, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                             eos_token_id=None, pad_token_id=0)
-        outputs.append(out[0, len(prompt):].tolist())
-    return outputs
-
-
-@torch.inference_mode()
-def hf_logits(model: Qwen3ForCausalLM, prompt: list[int], completion: list[int]) -> torch.Tensor:
-    """fp32 next-token logits of transformers at every completion position (teacher forcing)."""
-    return model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].float()
-
-
-def assert_greedy_parity(model: Qwen3ForCausalLM, prompts: list[list[int]], ours: list[list[int]],
-                         theirs: list[list[int]]) -> None:
-    """Two greedy decodes of the same bf16 weights agree token for token, except that they may part
-    at a near-tie: where transformers' logits of the two tokens differ by at most TIE_LOGITS. bf16
-    logits of a random tiny model tie exactly now and then, and different kernels round differently.
-    Every token of `ours` must be greedy under transformers (within TIE_LOGITS) all the way."""
-    for prompt, a, b in zip(prompts, ours, theirs, strict=True):
-        assert len(a) == len(b)
-        logits = hf_logits(model, prompt, a)
-        shortfall = logits.max(dim=-1).values - logits.gather(-1, torch.tensor(a)[:, None])[:, 0]
-        assert (shortfall <= TIE_LOGITS).all(), (
-            f"prompt {prompt}: non-greedy tokens, shortfall {shortfall.tolist()}"
-        )
-        split = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
-        if split is not None:
-            gap = (logits[split, a[split]] - logits[split, b[split]]).abs().item()
-            assert gap <= TIE_LOGITS, (
-                f"prompt {prompt}: {a} vs {b} part at step {split} without a tie ({gap})"
-            )
 
 
 @torch.inference_mode()

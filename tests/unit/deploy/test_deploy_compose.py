@@ -261,5 +261,5 @@ def test_docker_compose_resolves_secrets_from_env_files() -> None:
         assert {p["host_ip"] for p in services[name]["ports"]} == {"127.0.0.1"}, name
     assert services["registry"]["environment"]["SPARSECAST_STORE_URL"].startswith("s3://")
     assert services["minio"]["environment"]["MINIO_ROOT_PASSWORD"] == (
-        services["registry"]["environment"]["SPARSECAST_S3_SECRET_ACCESS_KEY"]
+        services["registry"]["environment"]["SPARSECAST_STORE_OPTIONS__SECRET_ACCESS_KEY"]
     )

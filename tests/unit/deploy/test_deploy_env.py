@@ -76,7 +76,7 @@ def test_every_name_is_documented_in_deploy_md() -> None:
     assert not sorted(used - documented), f"missing from docs/deploy.md: {sorted(used - documented)}"
 
 
-@pytest.mark.parametrize("name", ["SPARSECAST_KV_BUDGET", "SPARSECAST_S3_ALLOW_HTTP", "SPARSECAST_MODEL"])
+@pytest.mark.parametrize("name", ["SPARSECAST_KV_BUDGET", "SPARSECAST_STORE_URL", "SPARSECAST_MODEL"])
 def test_is_setting_tells_real_from_made_up(name: str) -> None:
     assert is_setting(name)
     assert not is_setting(name + "_TYPO")

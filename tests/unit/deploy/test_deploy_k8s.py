@@ -237,7 +237,7 @@ def test_chart_default_and_gpu_values_match_the_schema() -> None:
         ({"redis": {"bundled": False, "url": ""}}, "no Redis at all"),
         ({"minio": {"bundled": False}, "store": {"url": ""}}, "no object store at all"),
         ({"minio": {"rootPassword": "short"}}, "MinIO needs 8 characters"),
-        ({"store": {"url": "gs://bucket"}}, "unsupported store"),
+        ({"store": {"url": "ftp://bucket"}}, "unsupported store"),
         ({"trainer": {"port": 70000}}, "port out of range"),
         ({"trainer": {"modle": "x"}}, "typo in a key"),
     ],
@@ -305,18 +305,35 @@ def test_helm_lint_reports_a_broken_values_file() -> None:
     assert helm_lint(chart_values(overrides={"rollout": {"engine": "tgi"}}))
 
 
-def test_helm_template_with_external_redis_and_s3() -> None:
+@pytest.mark.parametrize("url, options, secret_options", [
+    ("s3://bucket/runs", {"endpoint": "https://s3.example", "region": "eu-west-1"},
+     {"access_key_id": "AK", "secret_access_key": "SK"}),
+    # A store the chart has no line for: only the URL and the options change.
+    ("gs://bucket/runs", {}, {"service_account_key": "{}"}),
+])
+def test_helm_template_with_external_redis_and_store(url: str, options: dict, secret_options: dict) -> None:
     docs = helm_template(overrides={
         "redis": {"bundled": False, "url": "redis://redis.example:6379/0"},
         "minio": {"bundled": False},
-        "store": {"url": "s3://bucket/runs", "s3": {"endpoint": "https://s3.example"}},
+        "store": {"url": url, "options": options, "secretOptions": secret_options},
     })
     for doc in docs:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     names = {doc["metadata"]["name"] for doc in docs}
     assert not any(name.endswith(("-redis", "-minio")) for name in names)
     config = next(doc for doc in docs if doc["kind"] == "ConfigMap")
-    assert config["data"]["SPARSECAST_STORE_URL"] == "s3://bucket/runs"
+    assert config["data"]["SPARSECAST_STORE_URL"] == url
+    plain = {f"SPARSECAST_STORE_OPTIONS__{key.upper()}": value for key, value in options.items()}
+    assert {k: v for k, v in config["data"].items() if "STORE_OPTIONS" in k} == plain
+    secret = next(doc for doc in docs if doc["kind"] == "Secret")
+    credentials = {f"SPARSECAST_STORE_OPTIONS__{key.upper()}": v for key, v in secret_options.items()}
+    assert {k: v for k, v in secret["stringData"].items() if "STORE_OPTIONS" in k} == credentials
+    registry = next(
+        d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-registry")
+    )
+    env = registry["spec"]["template"]["spec"]["containers"][0]["env"]
+    from_secret = {e["name"] for e in env if "valueFrom" in e and "STORE_OPTIONS" in e["name"]}
+    assert from_secret == set(credentials)
 
 
 def check_redis_persists(docs: list[dict]) -> None:

@@ -18,7 +18,7 @@ from services.rollout.engine.config import KVConfig
 from services.rollout.engine.policies import POLICIES
 from services.rollout.settings import RolloutSettings
 from shared.agreement import DENSE_ONLY_ENGINES, kv_policy_refusal, served_kv_policy
-from shared.kv import DEFAULT_KV_BUDGET, DEFAULT_KV_BUFFER, KV_POLICIES, SPARSE_POLICIES
+from shared.kv import DEFAULT_KV_BUDGET, DEFAULT_KV_BUFFER, KV_POLICIES, LAYER_BUDGETS, SPARSE_POLICIES
 from tests.paths import REPO_ROOT
 
 CHART = REPO_ROOT / "k8s" / "helm" / "sparsecast"
@@ -43,6 +43,14 @@ def test_every_kv_policy_name_is_the_shared_tuple() -> None:
     assert next(a for a in demo._actions if a.dest == "kv_policy").choices == KV_POLICIES
     chart = _schema()["properties"]["rollout"]["properties"]
     assert tuple(chart["kvPolicy"]["enum"]) == KV_POLICIES
+
+
+def test_every_layer_budget_name_is_the_shared_tuple() -> None:
+    assert LAYER_BUDGETS == ("uniform", "pyramid")
+    assert get_args(RolloutSettings.model_fields["kv_layer_budgets"].annotation) == LAYER_BUDGETS
+    assert get_args(KVConfig.model_fields["layer_budgets"].annotation) == LAYER_BUDGETS
+    chart = _schema()["properties"]["rollout"]["properties"]
+    assert tuple(chart["kvLayerBudgets"]["enum"]) == LAYER_BUDGETS
 
 
 def test_budget_defaults_are_the_shared_ones() -> None:

@@ -55,6 +55,28 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- printf "http://%s-minio:9000" (include "sparsecast.fullname" .) }}
 {{- end }}
 
+{{/* The store's plain options (ConfigMap): the bundled MinIO's, else store.options. */}}
+{{- define "sparsecast.storeOptions" -}}
+{{- if .Values.minio.bundled }}
+{{- dict "endpoint" (include "sparsecast.minioEndpoint" .) "region" "us-east-1" "allow_http" "true" | toYaml }}
+{{- else }}
+{{- .Values.store.options | default dict | toYaml }}
+{{- end }}
+{{- end }}
+
+{{/* Secret keys the registry reads: the store's credential options. */}}
+{{- define "sparsecast.storeSecretKeys" -}}
+{{- if .Values.minio.bundled }}
+{{- list "SPARSECAST_STORE_OPTIONS__ACCESS_KEY_ID" "SPARSECAST_STORE_OPTIONS__SECRET_ACCESS_KEY" | toJson }}
+{{- else }}
+{{- $keys := list }}
+{{- range $key, $_ := .Values.store.secretOptions }}
+{{- $keys = append $keys (printf "SPARSECAST_STORE_OPTIONS__%s" (upper $key)) }}
+{{- end }}
+{{- $keys | toJson }}
+{{- end }}
+{{- end }}
+
 {{- define "sparsecast.storeUrl" -}}
 {{- if .Values.minio.bundled }}
 {{- printf "s3://%s/runs" .Values.minio.bucket }}
@@ -135,7 +157,7 @@ checksum/config: {{ include (print $root.Template.BasePath "/configmap.yaml") $r
 {{- /* The values the Secret is made of, not the rendered Secret: generated entries are random
        in every render until the release exists (lookup), and kept across upgrades after. */}}
 {{- $v := $root.Values }}
-{{- $inputs := list $v.auth $v.minio.rootUser $v.minio.rootPassword $v.redis.url $v.store.s3 }}
+{{- $inputs := list $v.auth $v.minio.rootUser $v.minio.rootPassword $v.redis.url $v.store.secretOptions }}
 checksum/secret: {{ $inputs | toJson | sha256sum }}
 {{- end }}
 {{- if $root.Values.metrics.scrapeAnnotations }}

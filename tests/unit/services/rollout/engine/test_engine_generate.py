@@ -97,6 +97,8 @@ def test_budget_covering_the_sequence_equals_dense(policy: str) -> None:
     for kv in (
         KVConfig(policy=policy, budget=30, buffer=4),
         KVConfig(policy=policy, budget=40, keep_prompt=False),
+        # Per-layer budgets of 90 and 30 (2 layers): even the top layer holds the whole sequence.
+        KVConfig(policy=policy, budget=60, buffer=4, layer_budgets="pyramid", pyramid_beta=2),
     ):
         sparse = engine.generate(PROMPTS, params, kv)
         for d, s in zip(dense, sparse, strict=True):

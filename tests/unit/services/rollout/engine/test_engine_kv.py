@@ -7,8 +7,9 @@ import torch
 
 from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
 from services.rollout.engine.attention import CacheAttention
-from services.rollout.engine.kv_cache import KVCache, cache_capacity
-from services.rollout.engine.policies import key_redundancy
+from services.rollout.engine.config import layer_budgets
+from services.rollout.engine.kv_cache import REUSE_SLACK, KVCache, StaticStorage, layer_capacities
+from services.rollout.engine.policies import key_redundancy, unit_key_column_sums
 from tests.unit.services.rollout.engine.engine_helpers import one_thread, tiny_config
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
@@ -17,17 +18,18 @@ HEADS, KV_HEADS, DIM, LAYERS = 4, 2, 8, 2
 
 
 def _drive(kv: KVConfig, prompt_lengths: list[int], steps: int, seed: int = 0,
-           keys: torch.Tensor | None = None) -> KVCache:
+           keys: torch.Tensor | None = None, layers: int = LAYERS) -> KVCache:
     """Run a cache through prefill and `steps` decode steps with random q/k/v, compressing as the engine
     does."""
     gen = torch.Generator().manual_seed(seed)
     batch, width = len(prompt_lengths), max(prompt_lengths)
-    cache = KVCache(num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
-                    prompt_lengths=prompt_lengths, capacity=cache_capacity(prompt_lengths, steps, kv), kv=kv,
+    cache = KVCache(num_layers=layers, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
+                    prompt_lengths=prompt_lengths,
+                    capacity=layer_capacities(prompt_lengths, steps, kv, layers), kv=kv,
                     dtype=torch.float32, device=torch.device("cpu"))
     attention = CacheAttention(cache)
     attention.begin_prefill(width)
-    for layer in range(LAYERS):
+    for layer in range(layers):
         q = torch.randn(batch, HEADS, width, DIM, generator=gen)
         k, v = torch.randn(2, batch, KV_HEADS, width, DIM, generator=gen)
         attention.prefill(layer, q, k, v)
@@ -36,21 +38,22 @@ def _drive(kv: KVConfig, prompt_lengths: list[int], steps: int, seed: int = 0,
     positions = torch.tensor(prompt_lengths)
     for step in range(steps):
         attention.begin_decode(positions)
-        for layer in range(LAYERS):
+        for layer in range(layers):
             q = torch.randn(batch, HEADS, 1, DIM, generator=gen)
             k = torch.randn(batch, KV_HEADS, 1, DIM, generator=gen) if keys is None else keys[step].expand(
                 batch, KV_HEADS, 1, DIM)
             attention.decode(layer, q, k, torch.randn(batch, KV_HEADS, 1, DIM, generator=gen))
         attention.end_decode()
         positions = positions + 1
-        assert max(cache.lengths) <= cache.capacity
+        for layer in range(layers):
+            assert max(cache.layer_lengths(layer)) <= cache.capacities[layer] == cache.k[layer].shape[2]
         if cache.needs_compression():
             cache.compress()
     return cache
 
 
 def _kept_positions(cache: KVCache, row: int, layer: int = 0, head: int = 0) -> list[int]:
-    return cache.positions[layer, row, head, : cache.lengths[row]].tolist()
+    return cache.positions[layer, row, head, : cache.layer_lengths(layer)[row]].tolist()
 
 
 def test_streaming_keeps_sinks_and_the_recent_window() -> None:
@@ -102,7 +105,7 @@ def test_compaction_moves_keys_and_values_with_their_positions() -> None:
     cache = _drive(kv, [3], steps=40, keys=keys)
     n = cache.lengths[0]
     positions = cache.positions[:, 0, :, :n].float()
-    assert torch.equal(cache.k[:, 0, :, :n, 0], positions)
+    assert torch.equal(torch.stack([k[0, :, :n, 0] for k in cache.k]), positions)
 
 
 def test_h2o_keeps_the_heaviest_accumulated_attention() -> None:
@@ -209,3 +212,150 @@ def test_h2o_free_slots_hold_no_evicted_attention() -> None:
     assert cache.attn_acc is not None
     for row, n in enumerate(cache.lengths):
         assert n < cache.capacity and cache.attn_acc[:, row, :, n:].abs().sum() == 0
+
+
+# ---------------------------------------------------------------------------- per-layer budgets (PyramidKV)
+@pytest.mark.parametrize(("layers", "budget", "policy"), [
+    (28, 1024, "rkv"), (28, 512, "snapkv"), (36, 2048, "h2o"), (4, 16, "streaming"), (3, 100, "rkv"),
+    (1, 50, "rkv"), (4, 10, "streaming")])
+def test_pyramid_budgets_decrease_and_sum_to_layers_times_budget(layers: int, budget: int,
+                                                                 policy: str) -> None:
+    kv = KVConfig(policy=policy, budget=budget, layer_budgets="pyramid")
+    budgets = layer_budgets(kv, layers)
+    assert len(budgets) == layers and sum(budgets) == layers * budget
+    assert budgets == sorted(budgets, reverse=True) and min(budgets) >= min(budget, kv.min_layer_budget)
+    if layers > 1:
+        low = min(budget, max(budget / kv.pyramid_beta, kv.min_layer_budget))
+        assert budgets[-1] == pytest.approx(low, abs=1)
+        assert budgets[0] == pytest.approx(2 * budget - low, abs=1)
+        steps = [a - b for a, b in zip(budgets, budgets[1:], strict=False)]
+        assert max(steps) - min(steps) <= 1  # arithmetic, up to integer rounding
+    assert layer_budgets(KVConfig(policy=policy, budget=budget), layers) == [budget] * layers
+
+
+def test_pyramid_is_refused_for_dense() -> None:
+    with pytest.raises(ValueError, match="evicting policy"):
+        KVConfig(layer_budgets="pyramid")
+
+
+@pytest.mark.parametrize("policy", ["streaming", "snapkv", "h2o", "rkv"])
+@pytest.mark.parametrize("keep_prompt", [True, False])
+def test_each_layer_keeps_its_own_budget(policy: str, keep_prompt: bool) -> None:
+    layers, prompts, steps, buffer = 4, [5, 9], 70, 6
+    kv = KVConfig(policy=policy, budget=20, buffer=buffer, window=4, sink_tokens=2, keep_prompt=keep_prompt,
+                  layer_budgets="pyramid", pyramid_beta=4)
+    budgets = layer_budgets(kv, layers)
+    assert budgets == ([34, 25, 15, 6] if policy == "streaming" else [35, 25, 15, 5])
+    cache = _drive(kv, prompts, steps=steps, layers=layers, seed=5)
+    for layer, budget in enumerate(budgets):
+        # Memory per layer: only what the layer's own budget needs.
+        assert cache.capacities[layer] == layer_capacities(prompts, steps, kv, layers)[layer]
+        for row, prompt_len in enumerate(prompts):
+            protected = prompt_len if keep_prompt else 0
+            stored = cache.layer_lengths(layer)[row]
+            # Compressions run every `buffer` steps once the top layer has filled; each layer is then cut
+            # to protected + its budget and grows by at most `buffer` until the next one.
+            assert protected + budget <= stored <= protected + budget + buffer
+            for head in range(KV_HEADS):
+                kept = _kept_positions(cache, row, layer, head)
+                total = prompt_len + steps
+                assert kept == sorted(set(kept)) and kept[-4:] == list(range(total - 4, total))
+                if keep_prompt:
+                    assert kept[:prompt_len] == list(range(prompt_len))
+    # The rows' mean over layers is what the engine records (stored()).
+    for row in range(len(prompts)):
+        mean = sum(cache.layer_lengths(layer)[row] for layer in range(layers)) / layers
+        assert cache.stored()[row] == int(mean + 0.5)
+
+
+def test_pyramid_costs_the_memory_of_a_uniform_budget() -> None:
+    engine = LLMEngine(tiny_config("qwen3", layers=4))
+    params = SamplingParams(temperature=0.0, max_new_tokens=60)
+    sizes, evicted = {}, {}
+    for spread in ("uniform", "pyramid"):
+        kv = KVConfig(policy="rkv", budget=16, buffer=4, layer_budgets=spread, pyramid_beta=4)
+        outs = engine.generate([[1, 2, 3], [4, 5, 6, 7, 8]], params, kv)
+        sizes[spread], evicted[spread] = engine.last_batch_kv_bytes, [o.kv.evicted for o in outs]
+    assert sizes["pyramid"] == sizes["uniform"] == 2 * (5 + 16 + 4) * engine.kv_bytes_per_token()
+    # Uniform: every layer evicts 60 - 16 - (60 - 20) % 4 tokens; the pyramid's layers evict more or
+    # fewer but as many on average (the top layer's buffer fills first, so compressions start earlier).
+    assert evicted["uniform"] == [60 - 1 - 16 - (59 - 20) % 4] * 2
+    assert all(abs(p - u) <= 4 for p, u in zip(evicted["pyramid"], evicted["uniform"], strict=True))
+
+
+def _drive_rows(kv: KVConfig, prompts: list[int], steps: int, leave_at: int, keep: list[int], layers: int,
+                storage: StaticStorage | None) -> KVCache:
+    """Like _drive, with rows leaving the batch at step leave_at; a static cache's device lengths
+    advance as the captured step advances them (StaticStorage.advance)."""
+    gen = torch.Generator().manual_seed(7)
+    capacities = layer_capacities(prompts, steps, kv, layers)
+    cache = KVCache(num_layers=layers, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
+                    prompt_lengths=prompts, capacity=capacities, kv=kv, dtype=torch.float32,
+                    device=torch.device("cpu"), storage=storage)
+    attention = CacheAttention(cache)
+    width = max(prompts)
+    attention.begin_prefill(width)
+    for layer in range(layers):
+        q = torch.randn(len(prompts), HEADS, width, DIM, generator=gen)
+        k, v = torch.randn(2, len(prompts), KV_HEADS, width, DIM, generator=gen)
+        attention.prefill(layer, q, k, v)
+    positions = torch.tensor(prompts)
+    for step in range(steps):
+        if step == leave_at:
+            cache.select_rows(keep)
+            positions = positions[keep]
+        batch = cache.batch
+        attention.begin_decode(positions)
+        for layer in range(layers):
+            q = torch.randn(batch, HEADS, 1, DIM, generator=gen)
+            k, v = torch.randn(2, batch, KV_HEADS, 1, DIM, generator=gen)
+            attention.decode(layer, q, k, v)
+        attention.end_decode()
+        if storage is not None:
+            storage.advance(batch)
+        positions = positions + 1
+        if cache.needs_compression():
+            cache.compress()
+    return cache
+
+
+@pytest.mark.parametrize("spread", ["uniform", "pyramid"])
+def test_static_storage_keeps_the_eager_cache_and_is_reusable(spread: str) -> None:
+    """The CUDA-graph cache's bookkeeping on the CPU: in-place row compaction, per-layer lengths on
+    the device, rows past the batch reset, and a reused storage giving the same cache again."""
+    layers, prompts, steps = 4, [5, 9, 4], 40
+    kv = KVConfig(policy="rkv", budget=12, buffer=5, window=4, layer_budgets=spread, pyramid_beta=3)
+    want = _drive_rows(kv, prompts, steps, 17, [0, 2], layers, None)
+    caps = [c + 3 for c in layer_capacities(prompts, steps, kv, layers)]  # a little larger: it fits
+    storage = StaticStorage(num_layers=layers, batch=4, num_heads=HEADS, num_kv_heads=KV_HEADS,
+                            head_dim=DIM, capacities=caps, window=kv.window, dtype=torch.float32,
+                            device=torch.device("cpu"))
+    layout = (layers, HEADS, KV_HEADS, DIM, torch.float32)
+    assert storage.fits(3, layer_capacities(prompts, steps, kv, layers), kv.window, layout)
+    assert not storage.fits(5, caps, kv.window, layout) and not storage.fits(3, caps, None, layout)
+    assert not storage.fits(3, [c - REUSE_SLACK - 1 for c in caps], kv.window, layout)
+    for _ in range(2):  # a second batch on the reset storage
+        storage.reset()
+        got = _drive_rows(kv, prompts, steps, 17, [0, 2], layers, storage)
+        assert got.lengths == want.lengths and got.deficits == want.deficits
+        for layer in range(layers):
+            lengths = want.layer_lengths(layer)
+            assert storage.lengths[layer].tolist() == lengths + [0, 0]  # rows past the batch start over
+            for row, n in enumerate(lengths):
+                assert torch.equal(got.k[layer][row, :, :n], want.k[layer][row, :, :n])
+                assert torch.equal(got.v[layer][row, :, :n], want.v[layer][row, :, :n])
+                assert torch.equal(got.positions[layer, row, :, :n], want.positions[layer, row, :, :n])
+                assert got.k[layer].data_ptr() == storage.k[layer].data_ptr()  # views of the storage
+
+
+def test_unit_key_column_sums_equal_the_similarity_columns() -> None:
+    # The fused R-KV path's column sums, without an S×S tensor, against the explicit cosine matrix.
+    torch.manual_seed(3)
+    keys = torch.randn(2, 3, 40, 16, dtype=torch.bfloat16)
+    keys[0, 1, 7] = 0  # a zero key: unit key 0, as in the reference
+    valid = torch.arange(40)[None] < torch.tensor([40, 23])[:, None]
+    k = keys.float()
+    unit = (k / (k.norm(dim=-1, keepdim=True) + 1e-8)).masked_fill(~valid[:, None, :, None], 0.0)
+    sim = unit @ unit.transpose(-1, -2)
+    sim.diagonal(dim1=-2, dim2=-1).zero_()
+    torch.testing.assert_close(unit_key_column_sums(keys, valid), sim.sum(dim=-2), atol=1e-5, rtol=1e-5)
