@@ -216,10 +216,13 @@ def key_redundancy_stats(keys: torch.Tensor, lengths: torch.Tensor,
     assert keys.stride(-1) == 1
     latest = torch.empty((b, heads, span), dtype=torch.int32, device=keys.device)
     value = torch.empty((b, heads, span), dtype=torch.float32, device=keys.device)
-    block = 64
-    _latest_duplicate_kernel[(b * heads, -(-span // block))](
+    # bf16: 128 query keys a program and 8 warps keep the tensor cores busier than 64 (the pass is
+    # O(S²) dot products); fp32 operands (tests) keep the smaller tile that fits shared memory.
+    block_m, warps, stages = (128, 8, 3) if keys.dtype == torch.bfloat16 else (64, 4, 2)
+    _latest_duplicate_kernel[(b * heads, -(-span // block_m))](
         keys, lengths, latest, value, keys.stride(0), keys.stride(1), keys.stride(2), span, heads, threshold,
-        D=dim, BLOCK_M=block, BLOCK_N=block, PRECISION=_precision(keys.dtype), num_warps=4)
+        D=dim, BLOCK_M=block_m, BLOCK_N=64, PRECISION=_precision(keys.dtype), num_warps=warps,
+        num_stages=stages)
     return latest, value
 
 
