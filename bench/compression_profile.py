@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.engine import full_cache
 from bench.engine_profile import build
 from services.rollout.engine import KVConfig
-from services.rollout.engine.kv_cache import KVCache, layer_capacities
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -37,21 +37,15 @@ def main() -> None:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     engine = build(args.shape, device, torch.bfloat16 if cuda else torch.float32)
-    m = engine.model
     kv = KVConfig(policy=args.policy, budget=args.gen // 4, buffer=128)
-    capacities = layer_capacities([args.prompt], args.gen, kv, m.num_layers)
-    cache = KVCache(num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
-                    head_dim=m.head_dim, prompt_lengths=[args.prompt] * args.batch, capacity=capacities,
-                    kv=kv, dtype=engine.dtype, device=device)
-    for buf in (*cache.k, *cache.v) + ((cache.q_window,) if cache.q_window is not None else ()):
-        buf.normal_()
+    cache, refill = full_cache(engine, args.batch, args.prompt, args.gen, kv)
 
     def sync() -> None:
         if cuda:
             torch.cuda.synchronize()
 
     def fill() -> None:
-        cache.set_layer_lengths([[cap] * args.batch for cap in capacities])
+        refill()
         sync()
 
     walls = []
@@ -76,7 +70,7 @@ def main() -> None:
         "bench": "compression-profile",
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "shape": args.shape, "batch": args.batch, "policy": args.policy,
-        "stored_tokens_per_layer": capacities[0], "layers": m.num_layers,
+        "stored_tokens_per_layer": cache.k[0].shape[2], "layers": engine.model.num_layers,
         "wall_ms": round(1000 * walls[-1], 2),
         "profiled_total_ms": round(total / 1000, 2),
         "top_ops": [{"name": e.key[:80], "calls": e.count, "ms": round(getattr(e, key) / 1000, 2),

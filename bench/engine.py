@@ -41,6 +41,7 @@ import collections
 import json
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,22 +100,31 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], gen: int, kv: KVConf
     }
 
 
-def compression_ms(engine: LLMEngine, batch: int, prompt: int, gen: int, kv: KVConfig) -> float:
-    """Device time of one compression of a full cache: `batch` rows whose layers each hold
-    prompt + budget + buffer random keys (the bench's random weights find no near-duplicates
-    either). Its share of a decode step is this over `kv.buffer` steps."""
-    m, dev = engine.model, engine.device
-    engine.release_decode_state()
+def full_cache(
+    engine: LLMEngine, batch: int, prompt: int, gen: int, kv: KVConfig
+) -> tuple[KVCache, Callable[[], None]]:
+    """A cache of `batch` rows whose layers hold prompt + budget + buffer random keys (the bench's
+    random weights find no near-duplicates either), and the call that fills it up again after a
+    compression."""
+    m = engine.model
     capacities = layer_capacities([prompt], gen, kv, m.num_layers)
     cache = KVCache(num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
                     head_dim=m.head_dim, prompt_lengths=[prompt] * batch, capacity=capacities, kv=kv,
-                    dtype=engine.dtype, device=dev)
+                    dtype=engine.dtype, device=engine.device)
     for buf in (*cache.k, *cache.v) + ((cache.q_window,) if cache.q_window is not None else ()):
         buf.normal_()
+    return cache, lambda: cache.set_layer_lengths([[cap] * batch for cap in capacities])
+
+
+def compression_ms(engine: LLMEngine, batch: int, prompt: int, gen: int, kv: KVConfig) -> float:
+    """Device time of one compression of a full cache (`full_cache`). Its share of a decode step
+    is this over `kv.buffer` steps."""
+    engine.release_decode_state()
+    cache, fill = full_cache(engine, batch, prompt, gen, kv)
     times = []
     for _ in range(2):  # the first compiles the Triton kernels
-        cache.set_layer_lengths([[cap] * batch for cap in capacities])
-        _, seconds, _ = _timed(dev, cache.compress)
+        fill()
+        _, seconds, _ = _timed(engine.device, cache.compress)
         times.append(seconds)
     del cache
     return round(1000 * times[-1], 3)
