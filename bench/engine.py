@@ -104,16 +104,23 @@ def full_cache(
     engine: LLMEngine, batch: int, prompt: int, gen: int, kv: KVConfig
 ) -> tuple[KVCache, Callable[[], None]]:
     """A cache of `batch` rows whose layers hold prompt + budget + buffer random keys (the bench's
-    random weights find no near-duplicates either), and the call that fills it up again after a
-    compression."""
+    random weights find no near-duplicates either), and the call that fills it (again, after a
+    compression)."""
     m = engine.model
     capacities = layer_capacities([prompt], gen, kv, m.num_layers)
     cache = KVCache(num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
                     head_dim=m.head_dim, prompt_lengths=[prompt] * batch, capacity=capacities, kv=kv,
                     dtype=engine.dtype, device=engine.device)
-    for buf in (*cache.k, *cache.v) + ((cache.q_window,) if cache.q_window is not None else ()):
-        buf.normal_()
-    return cache, lambda: cache.set_layer_lengths([[cap] * batch for cap in capacities])
+    buffers = (*cache.k, *cache.v) + ((cache.q_window,) if cache.q_window is not None else ())
+
+    def fill() -> None:
+        # New keys each time: a compression leaves copies of the moved slots behind, which would
+        # be near-duplicates in the next one.
+        for buf in buffers:
+            buf.normal_()
+        cache.set_layer_lengths([[cap] * batch for cap in capacities])
+
+    return cache, fill
 
 
 def compression_ms(engine: LLMEngine, batch: int, prompt: int, gen: int, kv: KVConfig) -> float:

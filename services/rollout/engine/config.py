@@ -50,8 +50,9 @@ class KVConfig(BaseModel):
     mix_lambda: float = Field(
         default=0.1, ge=0.0, le=1.0, description="R-KV: λ·importance − (1−λ)·redundancy"
     )
+    # Below 0, orthogonal keys (and every free slot's zero key) would count as near-duplicates.
     similarity_threshold: float = Field(
-        default=0.5, ge=-1.0, le=1.0, description="R-KV near-duplicate cosine"
+        default=0.5, ge=0.0, le=1.0, description="R-KV near-duplicate cosine"
     )
     sink_tokens: int = Field(default=4, ge=0, description="streaming: first tokens always kept")
     # How `budget` is spread over the layers (shared.kv.LAYER_BUDGETS): every layer keeps `budget`,

@@ -5,11 +5,13 @@ step has the same shapes and launches at every length and can be captured in a C
 
 - `qkv_rope_store`: per decode token, q/k norm, RoPE, and the K/V write at slot `lengths[row]`.
 - `rms_norm`, `silu_mul`: the rest of a layer's elementwise work, one kernel each.
+- `greedy`: a greedy step's token and recorded log-prob in one pass over the logits.
 - `decode_attention`: flash-decoding over the slots `[0, lengths[row] + 1)` of each row (the new
   token included): the G query heads of a KV head are the rows of one tile (no K/V repeat), the
   slots are cut into fixed splits whose partial softmax results one small kernel merges. Splits
   past a row's length exit at once, so the grid can cover the whole capacity.
-- `key_redundancy_stats`: R-KV's near-duplicate search without the S×S similarity tensor.
+- `key_redundancy_terms`: R-KV's redundancy (column sums, latest near-duplicates) without the S×S
+  similarity tensor; `compact_`: a compression's in-place move of the kept slots.
 
 Lengths are clamped to the capacity: rows past the live batch in a padded graph bucket keep
 growing without writing out of bounds.
@@ -102,51 +104,149 @@ if triton is not None:
 
 
     @triton.jit
-    def _latest_duplicate_kernel(
-        k_ptr,
-        len_ptr,
-        latest_ptr,
-        value_ptr,
-        sk_b,
-        sk_h,
-        sk_s,
-        span,
-        n_heads,
-        threshold,
-        D: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):
+    def _key_norms_kernel(k_ptr, len_ptr, inv_ptr, total_ptr, sk_b, sk_h, sk_s, span, n_heads,
+                          D: tl.constexpr, BLOCK: tl.constexpr):
+        # One (row, head) a program: 1 / (|k| + 1e-8) of each stored key and the sum of the unit keys.
         pid = tl.program_id(0)
         b = pid // n_heads
         h = pid % n_heads
-        length = tl.load(len_ptr + b)
+        length = tl.load(len_ptr + b).to(tl.int32)
         d = tl.arange(0, D)
-        i = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         base = k_ptr + b * sk_b + h * sk_h
+        total = tl.zeros([D], tl.float32)
+        for s0 in range(0, length, BLOCK):
+            s = s0 + tl.arange(0, BLOCK)
+            ok = s < length
+            k = tl.load(base + s[:, None] * sk_s + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            inv = tl.where(ok, 1.0 / (tl.sqrt(tl.sum(k * k, 1)) + 1e-8), 0.0)
+            tl.store(inv_ptr + pid * span + s, inv, mask=ok)
+            total += tl.sum(k * inv[:, None], 0)
+        tl.store(total_ptr + pid * D + d, total)
+
+    @triton.jit
+    def _duplicate_tile(ki, inv_i, i, kj, inv_j, j, threshold, best_row, latest_row,
+                        DIAGONAL: tl.constexpr, PRECISION: tl.constexpr):
+        """One tile of key pairs (i, j > i): the rows' latest later near-duplicate, and for each
+        column j its latest earlier one, which an atomic max merges across programs. Free slots
+        have inverse norm 0, so cosine 0, never above the threshold (>= 0)."""
+        sim = tl.dot(ki, tl.trans(kj), input_precision=PRECISION) * inv_i[:, None] * inv_j[None, :]
+        if DIAGONAL:
+            sim = tl.where(j[None, :] > i[:, None], sim, 0.0)
+        # Most tiles of unrelated keys hold no near-duplicate: one max instead of the two index
+        # reductions and the atomics (the 28 layers of a 0.6B batch-112 cache of random keys on an
+        # H100: 25 -> 18 ms, bench/results/duplicate-sweep-h100.json); a tile with a hit costs both.
+        if tl.max(tl.max(sim, 1), 0) > threshold:
+            hit = sim > threshold
+            best_row = tl.maximum(best_row, tl.max(tl.where(hit, j[None, :], -1), 1))
+            best_col = tl.max(tl.where(hit, i[:, None], -1), 0)
+            tl.atomic_max(latest_row + j, best_col, mask=best_col >= 0, sem="relaxed")
+        return best_row
+
+    @triton.jit
+    def _latest_duplicate_kernel(k_ptr, inv_ptr, len_ptr, latest_ptr, sk_b, sk_h, sk_s, span, n_heads,
+                                 threshold, D: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+        # Program (row and head, block of keys i): the pairs (i, j) with j in this block or later,
+        # each once (the cosine is symmetric), so half the dot products of the full S×S.
+        pid = tl.program_id(0)
+        b = pid // n_heads
+        h = pid % n_heads
+        length = tl.load(len_ptr + b).to(tl.int32)
+        i0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK  # longest rows of pairs first
+        if i0 >= length:
+            return
+        d = tl.arange(0, D)
+        base = k_ptr + b * sk_b + h * sk_h
+        latest_row = latest_ptr + pid * span
+        i = i0 + tl.arange(0, BLOCK)
         ki = tl.load(base + i[:, None] * sk_s + d[None, :], mask=(i < length)[:, None], other=0.0)
-        kf = ki.to(tl.float32)
-        inv_i = 1.0 / (tl.sqrt(tl.sum(kf * kf, 1)) + 1e-8)
-        latest = tl.full([BLOCK_M], -1, tl.int32)
-        value = tl.zeros([BLOCK_M], tl.float32)
-        for j0 in range(0, span, BLOCK_N):
-            j = j0 + tl.arange(0, BLOCK_N)
+        inv_i = tl.load(inv_ptr + pid * span + i, mask=i < length, other=0.0)
+        best_row = tl.full([BLOCK], -1, tl.int32)
+        best_row = _duplicate_tile(ki, inv_i, i, ki, inv_i, i, threshold, best_row, latest_row,
+                                   DIAGONAL=True, PRECISION=PRECISION)
+        for j0 in range(i0 + BLOCK, length, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
             kj = tl.load(base + j[:, None] * sk_s + d[None, :], mask=(j < length)[:, None], other=0.0)
-            kjf = kj.to(tl.float32)
-            inv_j = 1.0 / (tl.sqrt(tl.sum(kjf * kjf, 1)) + 1e-8)
-            sim = tl.dot(ki, tl.trans(kj), input_precision=PRECISION) * inv_i[:, None] * inv_j[None, :]
-            # Self-similarity and free slots count as 0 (as in policies.key_redundancy).
-            sim = tl.where((i[:, None] != j[None, :]) & (j < length)[None, :], sim, 0.0)
-            hit = tl.where((sim > threshold) & (j < span)[None, :], j[None, :], -1)
-            best = tl.max(hit, 1)
-            found = best >= 0
-            best_value = tl.sum(tl.where(j[None, :] == best[:, None], sim, 0.0), 1)
-            latest = tl.where(found, best, latest)
-            value = tl.where(found, best_value, value)
-        out = pid * span + i
-        tl.store(latest_ptr + out, latest, mask=i < span)
-        tl.store(value_ptr + out, value, mask=i < span)
+            inv_j = tl.load(inv_ptr + pid * span + j, mask=j < length, other=0.0)
+            best_row = _duplicate_tile(ki, inv_i, i, kj, inv_j, j, threshold, best_row, latest_row,
+                                       DIAGONAL=False, PRECISION=PRECISION)
+        tl.atomic_max(latest_row + i, best_row, mask=best_row >= 0, sem="relaxed")
+
+    @triton.jit
+    def _redundancy_column_kernel(k_ptr, len_ptr, inv_ptr, total_ptr, latest_ptr, column_ptr, value_ptr,
+                                  sk_b, sk_h, sk_s, span, n_heads, D: tl.constexpr, BLOCK: tl.constexpr):
+        # Per stored key j: Σ_{i≠j} k̂_i·k̂_j = k̂_j·Σ_i k̂_i − |k̂_j|², and the cosine with its latest
+        # near-duplicate (the entry R-KV drops from that duplicate's column).
+        pid = tl.program_id(0)
+        b = pid // n_heads
+        h = pid % n_heads
+        length = tl.load(len_ptr + b).to(tl.int32)
+        d = tl.arange(0, D)
+        s = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = s < length
+        base = k_ptr + b * sk_b + h * sk_h
+        row = pid * span
+        k = tl.load(base + s[:, None] * sk_s + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        inv = tl.load(inv_ptr + row + s, mask=ok, other=0.0)
+        total = tl.load(total_ptr + pid * D + d)
+        column = inv * tl.sum(k * total[None, :], 1) - inv * inv * tl.sum(k * k, 1)
+        latest = tl.load(latest_ptr + row + s, mask=ok, other=-1)
+        has = ok & (latest >= 0)
+        kl = tl.load(base + latest[:, None] * sk_s + d[None, :], mask=has[:, None], other=0.0).to(tl.float32)
+        inv_l = tl.load(inv_ptr + row + latest, mask=has, other=0.0)
+        tl.store(column_ptr + row + s, column, mask=s < span)
+        tl.store(value_ptr + row + s, tl.sum(k * kl, 1) * inv * inv_l, mask=s < span)
+
+    @triton.jit
+    def _compact_kernel(k_ptr, v_ptr, pos_ptr, kept_ptr, sk_b, sk_h, sk_s, sp_b, sp_h, span, n_heads,
+                        D: tl.constexpr, BLOCK: tl.constexpr):
+        # One (row, head) a program, in place: kept slot s moves to the number of kept slots before
+        # it. Destinations are never after sources, so a tile's stores can only land on slots this
+        # program has read already (earlier tiles) or reads in this tile (the barrier between).
+        pid = tl.program_id(0)
+        b = pid // n_heads
+        h = pid % n_heads
+        d = tl.arange(0, D)
+        kbase = k_ptr + b * sk_b + h * sk_h
+        vbase = v_ptr + b * sk_b + h * sk_h
+        pbase = pos_ptr + b * sp_b + h * sp_h
+        count = tl.full([], 0, tl.int32)  # kept slots before this tile
+        for s0 in range(0, span, BLOCK):
+            s = s0 + tl.arange(0, BLOCK)
+            keep = tl.load(kept_ptr + pid * span + s, mask=s < span, other=0).to(tl.int32)
+            dst = count + tl.cumsum(keep, 0) - 1
+            move = (keep != 0) & (dst != s)
+            kk = tl.load(kbase + s[:, None] * sk_s + d[None, :], mask=move[:, None])
+            vv = tl.load(vbase + s[:, None] * sk_s + d[None, :], mask=move[:, None])
+            pp = tl.load(pbase + s, mask=move)
+            tl.debug_barrier()
+            tl.store(kbase + dst[:, None] * sk_s + d[None, :], kk, mask=move[:, None])
+            tl.store(vbase + dst[:, None] * sk_s + d[None, :], vv, mask=move[:, None])
+            tl.store(pbase + dst, pp, mask=move)
+            count += tl.sum(keep, 0)
+
+    @triton.jit
+    def _greedy_kernel(logits_ptr, token_ptr, logprob_ptr, stride, vocab, BLOCK: tl.constexpr):
+        # One row a program, one pass over its logits: the first maximum and the log-sum-exp (online,
+        # fp32), instead of an fp32 copy, a log-softmax written out and an argmax over it.
+        row = tl.program_id(0)
+        base = logits_ptr + row.to(tl.int64) * stride
+        v = tl.arange(0, BLOCK)
+        x = tl.load(base + v, mask=v < vocab, other=float("-inf")).to(tl.float32)
+        best = tl.max(x, 0)
+        best_index = tl.argmax(x, 0, tie_break_left=True).to(tl.int64)
+        m = best
+        total = tl.sum(tl.exp(x - m), 0)
+        for v0 in range(BLOCK, vocab, BLOCK):
+            x = tl.load(base + v0 + v, mask=v0 + v < vocab, other=float("-inf")).to(tl.float32)
+            tile_max = tl.max(x, 0)
+            tile_index = tl.argmax(x, 0, tie_break_left=True).to(tl.int64) + v0
+            best_index = tl.where(tile_max > best, tile_index, best_index)  # earlier tiles win ties
+            best = tl.maximum(best, tile_max)
+            m_new = tl.maximum(m, tile_max)
+            total = total * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+            m = m_new
+        tl.store(token_ptr + row, best_index)
+        tl.store(logprob_ptr + row, best - (m + tl.log(total)))
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, eps, n, BLOCK: tl.constexpr):
@@ -207,23 +307,60 @@ if triton is not None:
             tl.store(kc_ptr + b * sc_b + (h - HQ) * sc_h + slot * sc_s + d, out)
 
 
-def key_redundancy_stats(keys: torch.Tensor, lengths: torch.Tensor,
-                         threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """For keys [B, H, S, D] (row b stores lengths[b] keys): per key i, the latest other key j with
-    cosine(k_i, k_j) > threshold (-1 if none) and that cosine -> ([B, H, S] int32, [B, H, S] fp32).
-    Cosines from the tensor-core dot of the stored keys (fp32 accumulate) and fp32 norms."""
+def key_redundancy_terms(keys: torch.Tensor, lengths: torch.Tensor,
+                         threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What R-KV's redundancy needs of keys [B, H, S, D] (row b stores lengths[b] keys; threshold
+    >= 0), without the
+    S×S similarity tensor -> ([B, H, S] fp32, [B, H, S] int32, [B, H, S] fp32):
+    - column: Σ_{i≠j} k̂_i·k̂_j for each stored key j (k̂ = k / (|k| + 1e-8));
+    - latest: per key i, the latest other key j with cosine(k_i, k_j) > threshold (-1 if none);
+    - value: that cosine (0 if none).
+    Cosines of the near-duplicate search from the tensor-core dot of the stored keys (fp32 accumulate)
+    and fp32 norms; the rest in fp32. Three passes: norms, the pairs (each once), the columns."""
     b, heads, span, dim = keys.shape
     assert keys.stride(-1) == 1
-    latest = torch.empty((b, heads, span), dtype=torch.int32, device=keys.device)
-    value = torch.empty((b, heads, span), dtype=torch.float32, device=keys.device)
-    # bf16: 128 query keys a program and 8 warps keep the tensor cores busier than 64 (the pass is
-    # O(S²) dot products); fp32 operands (tests) keep the smaller tile that fits shared memory.
-    block_m, warps, stages = (128, 8, 3) if keys.dtype == torch.bfloat16 else (64, 4, 2)
-    _latest_duplicate_kernel[(b * heads, -(-span // block_m))](
-        keys, lengths, latest, value, keys.stride(0), keys.stride(1), keys.stride(2), span, heads, threshold,
-        D=dim, BLOCK_M=block_m, BLOCK_N=64, PRECISION=_precision(keys.dtype), num_warps=warps,
-        num_stages=stages)
-    return latest, value
+    dev = keys.device
+    inv = torch.empty((b, heads, span), dtype=torch.float32, device=dev)
+    total = torch.empty((b, heads, dim), dtype=torch.float32, device=dev)
+    _key_norms_kernel[(b * heads,)](keys, lengths, inv, total, keys.stride(0), keys.stride(1), keys.stride(2),
+                                    span, heads, D=dim, BLOCK=64, num_warps=4)
+    latest = torch.full((b, heads, span), -1, dtype=torch.int32, device=dev)
+    # bf16: 128 keys a side, 4 warps, from a sweep on an H100 (64-128 keys x 4/8 warps x 1-3 stages,
+    # and a full S×S variant without atomics: 1.4-2.5x slower); fp32 operands (tests) fit at 64.
+    block, warps = (128, 4) if keys.dtype == torch.bfloat16 else (64, 4)
+    _latest_duplicate_kernel[(b * heads, -(-span // block))](
+        keys, inv, lengths, latest, keys.stride(0), keys.stride(1), keys.stride(2), span, heads, threshold,
+        D=dim, BLOCK=block, PRECISION=_precision(keys.dtype), num_warps=warps, num_stages=2)
+    column = torch.empty_like(inv)
+    value = torch.empty_like(inv)
+    _redundancy_column_kernel[(b * heads, -(-span // 64))](
+        keys, lengths, inv, total, latest, column, value, keys.stride(0), keys.stride(1), keys.stride(2),
+        span, heads, D=dim, BLOCK=64, num_warps=4)
+    return column, latest, value
+
+
+def compact_(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, kept: torch.Tensor) -> None:
+    """Move each (row, head)'s kept slots to its front, in their order, in place: k/v [B, H, cap, D],
+    positions [B, H, cap] int32, kept [B, H, S] bool (S <= cap). Slots past the kept ones keep what
+    they held. Reads and writes only the slots that move, once."""
+    b, heads, span = kept.shape
+    assert k.stride() == v.stride() and k.stride(-1) == 1 and positions.stride(-1) == 1
+    assert kept.is_contiguous()
+    _compact_kernel[(b * heads,)](
+        k, v, positions, kept.view(torch.int8), k.stride(0), k.stride(1), k.stride(2), positions.stride(0),
+        positions.stride(1), span, heads, D=k.shape[-1], BLOCK=32, num_warps=4, num_stages=1)
+
+
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] -> (argmax [B] int64, log_softmax(logits.float())[argmax] [B] fp32), one kernel:
+    sampler.sample's greedy case on CUDA."""
+    b, vocab = logits.shape
+    assert logits.stride(-1) == 1
+    tokens = torch.empty(b, dtype=torch.long, device=logits.device)
+    logprobs = torch.empty(b, dtype=torch.float32, device=logits.device)
+    _greedy_kernel[(b,)](logits, tokens, logprobs, logits.stride(0), vocab, BLOCK=4096, num_warps=8,
+                         num_stages=3)
+    return tokens, logprobs
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -170,6 +170,8 @@ class KVCache:
         # Per layer and row, on the device (a static cache: a view of the storage's).
         self.lengths_t = (storage.lengths[:, :batch] if storage is not None
                           else torch.zeros((num_layers, batch), dtype=torch.long, device=device))
+        # CUDA moves the kept slots with one Triton kernel (no accumulators to move along).
+        self._compact_in_place = device.type == "cuda" and kernels.available() and self.attn_acc is None
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -275,6 +277,9 @@ class KVCache:
             order = score.argsort(dim=-1, descending=True, stable=True)
             kept = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, order, rank_ok.expand_as(score))
             # Kept slots first, in their original (chronological) order.
+            if self._compact_in_place:
+                kernels.compact_(self.k[layer], self.v[layer], self.positions[layer], kept)
+                continue
             perm = torch.where(kept, slot, slot + span).argsort(dim=-1)
             self._gather_(layer, perm, span)
             if self.attn_acc is not None:

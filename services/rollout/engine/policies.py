@@ -170,30 +170,13 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float) ->
 def key_redundancy_fused(keys: torch.Tensor, valid: torch.Tensor, threshold: float) -> torch.Tensor:
     """key_redundancy without the S×S similarity tensor (CUDA, Triton); valid must mark a prefix.
 
-    Column j's sum over the other keys is k̂_j·Σ_i k̂_i − |k̂_j|² (k̂: unit keys, free slots 0), one
-    matrix-vector product; the near-duplicate entries R-KV drops come from one kernel pass that keeps,
-    per key, only its latest near-duplicate and their cosine (kernels.key_redundancy_stats), and are
-    subtracted from their columns. Same quantity as key_redundancy up to fp32 rounding.
+    Column j's sum over the other keys is k̂_j·Σ_i k̂_i − |k̂_j|² (k̂: unit keys, free slots 0); the
+    near-duplicate entries R-KV drops come from one pass over the key pairs that keeps, per key,
+    only its latest near-duplicate and their cosine, and are subtracted from their columns
+    (kernels.key_redundancy_terms). Same quantity as key_redundancy up to fp32 rounding.
     """
     lengths = valid.sum(dim=-1)
-    latest, value = kernels.key_redundancy_stats(keys, lengths, threshold)
-    column = unit_key_column_sums(keys, valid)
+    column, latest, value = kernels.key_redundancy_terms(keys, lengths, threshold)
     column.scatter_add_(-1, latest.clamp(min=0).long(), torch.where(latest >= 0, -value, 0.0))
     mean = column / lengths.clamp(min=1)[:, None, None]
     return mean.masked_fill(~valid[:, None], float("-inf")).softmax(dim=-1)
-
-
-def unit_key_column_sums(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Σ_{i≠j} k̂_i·k̂_j for every stored key j -> fp32 [B, H, S] (k̂ = k / (|k| + 1e-8), free slots 0).
-
-    As k̂_j·Σ_i k̂_i − |k̂_j|², with the unit keys never written out: the scale 1 / (|k| + 1e-8) stays
-    a [B, H, S] vector and both sums are matrix products over the one fp32 copy of the keys. (Writing
-    k̂ and the products k̂·Σk̂, k̂·k̂ as [B, H, S, D] fp32 tensors was ~2 ms a layer at batch 112 on an
-    H100, a fifth of a compression: bench/results/compression-profile-h100-*.json.)
-    """
-    k = keys.float()
-    norm = torch.linalg.vector_norm(k, dim=-1)  # [B, H, S]
-    scale = (norm + 1e-8).reciprocal_().masked_fill_(~valid[:, None], 0.0)
-    total = torch.matmul(scale[:, :, None, :], k)  # Σ_i k̂_i: [B, H, 1, D]
-    dots = torch.matmul(k, total.transpose(-1, -2)).squeeze(-1)  # k_j·Σ_i k̂_i: [B, H, S]
-    return scale * dots - (scale * norm).square()

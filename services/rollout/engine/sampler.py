@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+import services.rollout.engine.kernels as kernels
 from services.rollout.engine.config import SamplingParams
 
 
@@ -20,6 +21,8 @@ def sample(
     logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] (any dtype), uniforms [B] in [0, 1) -> (tokens [B] int64, logprobs [B] fp32)."""
+    if params.temperature == 0.0 and logits.is_cuda and kernels.available():
+        return kernels.greedy(logits)
     logits = logits.float()
     if params.temperature == 0.0:
         logprobs = torch.log_softmax(logits, dim=-1)

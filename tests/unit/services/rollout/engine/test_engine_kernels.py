@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.rollout.engine import kernels
+from services.rollout.engine import KVConfig, kernels
+from services.rollout.engine.kv_cache import KVCache, layer_capacities
 from services.rollout.engine.policies import key_redundancy, key_redundancy_fused
 
 
@@ -30,7 +31,7 @@ def test_decode_attention_equals_sdpa_in_bf16() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not kernels.available(), reason="needs CUDA and Triton")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("threshold", [0.5, 0.1, -0.2])
+@pytest.mark.parametrize("threshold", [0.5, 0.1, 0.0])
 def test_fused_key_redundancy_equals_the_reference(dtype: torch.dtype, threshold: float) -> None:
     torch.manual_seed(1)
     b, h, s, d = 3, 4, 300, 128
@@ -38,14 +39,79 @@ def test_fused_key_redundancy_equals_the_reference(dtype: torch.dtype, threshold
     keys[:, :, 200] = keys[:, :, 17] * 2  # exact and near duplicates, latest one wins
     keys[:, :, 250] = keys[:, :, 17] + 0.01
     keys[1, 2, 90] = keys[1, 2, 5]
+    keys[0, 1, 7] = 0  # a zero key: unit key 0, as in the reference
     lengths = torch.tensor([300, 211, 64], device="cuda")
     valid = torch.arange(s, device="cuda")[None] < lengths[:, None]
-    latest, value = kernels.key_redundancy_stats(keys, lengths, threshold)
-    if threshold == 0.5:
-        assert int(latest[0, 0, 17]) == 250 and int(latest[1, 2, 5]) == 90
+    column, latest, value = kernels.key_redundancy_terms(keys, lengths, threshold)
+    k = keys.float()
+    unit = (k / (k.norm(dim=-1, keepdim=True) + 1e-8)).masked_fill(~valid[:, None, :, None], 0.0)
+    sim = unit @ unit.transpose(-1, -2)
+    sim.diagonal(dim1=-2, dim2=-1).zero_()
+    stored = valid[:, None].expand(-1, h, -1)
+    torch.testing.assert_close(column[stored], sim.sum(dim=-2)[stored], atol=2e-4, rtol=1e-4)
+    if threshold == 0.5:  # far from the threshold: the same pairs as the fp32 reference
+        assert int(latest[0, 0, 17]) == 250 and int(latest[1, 2, 5]) == 90 and int(latest[0, 0, 250]) == 200
+        slot = torch.arange(s, device="cuda", dtype=torch.float32)
+        want = torch.where(sim > threshold, slot, -1.0).amax(-1)
+        assert torch.equal(latest[stored].long(), want[stored].long())
+        hit = stored & (latest >= 0)
+        cosine = sim.gather(-1, latest.clamp(min=0).long()[..., None])[..., 0]
+        torch.testing.assert_close(value[hit], cosine[hit], atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(
         key_redundancy_fused(keys, valid, threshold),
         key_redundancy(keys, valid, threshold),
         atol=1e-6,
         rtol=1e-4,
     )
+
+
+def _full_cuda_cache(policy: str, in_place: bool) -> KVCache:
+    """Two layers whose rows (prompts of unequal length) hold prompt + budget + buffer random keys."""
+    kv = KVConfig(policy=policy, budget=300, buffer=64)
+    prompts = [16, 9, 16, 3]
+    capacities = layer_capacities(prompts, 2000, kv, 2)
+    cache = KVCache(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=128, prompt_lengths=prompts,
+                    capacity=capacities, kv=kv, dtype=torch.bfloat16, device=torch.device("cuda"))
+    cache._compact_in_place = in_place
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for buf in (*cache.k, *cache.v) + ((cache.q_window,) if cache.q_window is not None else ()):
+        buf.copy_(torch.randn(buf.shape, generator=gen, device="cuda"))
+    cache.k[0][1, 1, 40] = cache.k[0][1, 1, 200]  # a near-duplicate pair for R-KV
+    slots = torch.arange(cache.capacity, dtype=torch.int32, device="cuda")
+    cache.positions.copy_(slots.expand_as(cache.positions))
+    cache.set_layer_lengths([[p + 300 + 64 for p in prompts]] * 2)
+    return cache
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not kernels.available(), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("policy", ["rkv", "snapkv", "streaming"])
+def test_in_place_compaction_equals_the_gather(policy: str) -> None:
+    # kernels.compact_ (CUDA's compression) against the torch gather of the same kept slots.
+    got, want = _full_cuda_cache(policy, True), _full_cuda_cache(policy, False)
+    assert got.compress() == want.compress() == [64] * 4
+    for layer in range(2):
+        for row, n in enumerate(want.layer_lengths(layer)):
+            assert got.layer_lengths(layer)[row] == n
+            assert torch.equal(got.k[layer][row, :, :n], want.k[layer][row, :, :n])
+            assert torch.equal(got.v[layer][row, :, :n], want.v[layer][row, :, :n])
+            assert torch.equal(got.positions[layer, row, :, :n], want.positions[layer, row, :, :n])
+    # The kept positions are in order, and differ between the heads (per-head eviction).
+    kept = got.positions[0, 0, :, : got.layer_lengths(0)[0]]
+    assert bool((kept[:, 1:] > kept[:, :-1]).all())
+    assert policy == "streaming" or not torch.equal(kept[0], kept[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not kernels.available(), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_equals_argmax_and_log_softmax(dtype: torch.dtype) -> None:
+    torch.manual_seed(2)
+    logits = (3 * torch.randn(7, 151_936, device="cuda")).to(dtype)
+    logits[1, 151_935] = 40.0  # the last slot of a partial tile
+    logits[2, 17] = logits[2, 90_000] = 40.0  # a tie: the first index, as torch.argmax
+    tokens, logprobs = kernels.greedy(logits)
+    want = logits.float().argmax(dim=-1)
+    assert torch.equal(tokens, want) and int(tokens[1]) == 151_935 and int(tokens[2]) == 17
+    reference = torch.log_softmax(logits.float(), dim=-1).gather(-1, want[:, None])[:, 0]
+    torch.testing.assert_close(logprobs, reference, atol=1e-5, rtol=1e-5)

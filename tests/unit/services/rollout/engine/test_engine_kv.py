@@ -9,7 +9,7 @@ from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
 from services.rollout.engine.attention import CacheAttention
 from services.rollout.engine.config import layer_budgets
 from services.rollout.engine.kv_cache import REUSE_SLACK, KVCache, StaticStorage, layer_capacities
-from services.rollout.engine.policies import key_redundancy, unit_key_column_sums
+from services.rollout.engine.policies import key_redundancy
 from tests.unit.services.rollout.engine.engine_helpers import one_thread, tiny_config
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
@@ -346,16 +346,3 @@ def test_static_storage_keeps_the_eager_cache_and_is_reusable(spread: str) -> No
                 assert torch.equal(got.v[layer][row, :, :n], want.v[layer][row, :, :n])
                 assert torch.equal(got.positions[layer, row, :, :n], want.positions[layer, row, :, :n])
                 assert got.k[layer].data_ptr() == storage.k[layer].data_ptr()  # views of the storage
-
-
-def test_unit_key_column_sums_equal_the_similarity_columns() -> None:
-    # The fused R-KV path's column sums, without an S×S tensor, against the explicit cosine matrix.
-    torch.manual_seed(3)
-    keys = torch.randn(2, 3, 40, 16, dtype=torch.bfloat16)
-    keys[0, 1, 7] = 0  # a zero key: unit key 0, as in the reference
-    valid = torch.arange(40)[None] < torch.tensor([40, 23])[:, None]
-    k = keys.float()
-    unit = (k / (k.norm(dim=-1, keepdim=True) + 1e-8)).masked_fill(~valid[:, None, :, None], 0.0)
-    sim = unit @ unit.transpose(-1, -2)
-    sim.diagonal(dim1=-2, dim2=-1).zero_()
-    torch.testing.assert_close(unit_key_column_sums(keys, valid), sim.sum(dim=-2), atol=1e-5, rtol=1e-5)
