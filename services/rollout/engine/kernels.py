@@ -10,14 +10,17 @@ step has the same shapes and launches at every length and can be captured in a C
   token included): the G query heads of a KV head are the rows of one tile (no K/V repeat), the
   slots are cut into fixed splits whose partial softmax results one small kernel merges. Splits
   past a row's length exit at once, so the grid can cover the whole capacity.
-- `key_redundancy_terms`: R-KV's redundancy (column sums, latest near-duplicates) without the S×S
-  similarity tensor; `compact_`: a compression's in-place move of the kept slots.
+- `key_scores`: what SnapKV and R-KV score stored keys by (window attention; R-KV's column sums and
+  latest near-duplicates, without the S×S similarity tensor); `compact_`: a compression's in-place
+  move of the kept slots.
 
 Lengths are clamped to the capacity: rows past the live batch in a padded graph bucket keep
 growing without writing out of bounds.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -104,24 +107,68 @@ if triton is not None:
 
 
     @triton.jit
-    def _key_norms_kernel(k_ptr, len_ptr, inv_ptr, total_ptr, sk_b, sk_h, sk_s, span, n_heads,
-                          D: tl.constexpr, BLOCK: tl.constexpr):
-        # One (row, head) a program: 1 / (|k| + 1e-8) of each stored key and the sum of the unit keys.
+    def _window_scores(q, k, s, rows_ok, query_slot, scale, PRECISION: tl.constexpr):
+        """Scores of the window queries q [R, D] on keys k [BLOCK, D] at slots s, rounded as
+        attention_weights.grouped_probs rounds them (product and scaling in the cache's dtype),
+        and which of them each query sees (causal: a key up to the query's own slot)."""
+        dot = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        scores = (dot.to(k.dtype).to(tl.float32) * scale).to(k.dtype).to(tl.float32)
+        visible = rows_ok[:, None] & (s[None, :] <= query_slot[:, None])
+        return scores, visible
+
+    @triton.jit
+    def _window_queries(q_ptr, b, h, q_next, sq_b, sq_h, sq_w, length,
+                        G: tl.constexpr, W: tl.constexpr, R: tl.constexpr, D: tl.constexpr):
+        """The G·W window queries of KV head h (query heads h·G ... h·G + G − 1, oldest first in
+        the ring that starts at q_next) -> (q [R, D], rows in use, the slot of each query's token)."""
+        r = tl.arange(0, R)
+        rows_ok = r < G * W
+        w = r % W
+        d = tl.arange(0, D)
+        head = h * G + r // W
+        q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + ((q_next + w) % W)[:, None] * sq_w + d[None, :],
+                    mask=rows_ok[:, None], other=0.0)
+        return q, rows_ok, length - W + w
+
+    @triton.jit
+    def _key_pass_kernel(k_ptr, len_ptr, q_ptr, m_ptr, l_ptr, inv_ptr, total_ptr, q_next, scale, sk_b, sk_h,
+                         sk_s, sq_b, sq_h, sq_w, span, n_heads, G: tl.constexpr, W: tl.constexpr,
+                         R: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, REDUNDANCY: tl.constexpr,
+                         PRECISION: tl.constexpr):
+        # One (row, KV head) a program, over its stored keys: the softmax maximum and sum of each
+        # window query (online); for R-KV also 1 / (|k| + 1e-8) of each key and the sum of the
+        # unit keys.
         pid = tl.program_id(0)
         b = pid // n_heads
         h = pid % n_heads
         length = tl.load(len_ptr + b).to(tl.int32)
         d = tl.arange(0, D)
         base = k_ptr + b * sk_b + h * sk_h
+        q, rows_ok, query_slot = _window_queries(q_ptr, b, h, q_next, sq_b, sq_h, sq_w, length, G, W, R, D)
+        m = tl.full([R], float("-inf"), tl.float32)
+        l_sum = tl.zeros([R], tl.float32)
         total = tl.zeros([D], tl.float32)
         for s0 in range(0, length, BLOCK):
             s = s0 + tl.arange(0, BLOCK)
             ok = s < length
-            k = tl.load(base + s[:, None] * sk_s + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-            inv = tl.where(ok, 1.0 / (tl.sqrt(tl.sum(k * k, 1)) + 1e-8), 0.0)
-            tl.store(inv_ptr + pid * span + s, inv, mask=ok)
-            total += tl.sum(k * inv[:, None], 0)
-        tl.store(total_ptr + pid * D + d, total)
+            k = tl.load(base + s[:, None] * sk_s + d[None, :], mask=ok[:, None], other=0.0)
+            scores, visible = _window_scores(q, k, s, rows_ok, query_slot, scale, PRECISION)
+            m_new = tl.maximum(m, tl.max(tl.where(visible, scores, float("-inf")), 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: no -inf - -inf
+            alpha = tl.exp(m - m_safe)
+            p = tl.where(visible, tl.exp(scores - m_safe[:, None]), 0.0)
+            l_sum = l_sum * alpha + tl.sum(p, 1)
+            m = m_new
+            if REDUNDANCY:
+                kf = k.to(tl.float32)
+                inv = tl.where(ok, 1.0 / (tl.sqrt(tl.sum(kf * kf, 1)) + 1e-8), 0.0)
+                tl.store(inv_ptr + pid * span + s, inv, mask=ok)
+                total += tl.sum(kf * inv[:, None], 0)
+        r = tl.arange(0, R)
+        tl.store(m_ptr + pid * R + r, m)
+        tl.store(l_ptr + pid * R + r, l_sum)
+        if REDUNDANCY:
+            tl.store(total_ptr + pid * D + d, total)
 
     @triton.jit
     def _duplicate_tile(ki, inv_i, i, kj, inv_j, j, threshold, best_row, latest_row,
@@ -172,9 +219,13 @@ if triton is not None:
         tl.atomic_max(latest_row + i, best_row, mask=best_row >= 0, sem="relaxed")
 
     @triton.jit
-    def _redundancy_column_kernel(k_ptr, len_ptr, inv_ptr, total_ptr, latest_ptr, column_ptr, value_ptr,
-                                  sk_b, sk_h, sk_s, span, n_heads, D: tl.constexpr, BLOCK: tl.constexpr):
-        # Per stored key j: Σ_{i≠j} k̂_i·k̂_j = k̂_j·Σ_i k̂_i − |k̂_j|², and the cosine with its latest
+    def _key_scores_kernel(k_ptr, len_ptr, q_ptr, m_ptr, l_ptr, inv_ptr, total_ptr, latest_ptr,
+                           importance_ptr, column_ptr, value_ptr, q_next, scale, sk_b, sk_h, sk_s, sq_b, sq_h,
+                           sq_w, span, n_heads,
+                           G: tl.constexpr, W: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
+                           BLOCK: tl.constexpr, REDUNDANCY: tl.constexpr, PRECISION: tl.constexpr):
+        # Per stored key j: the window queries' mean softmax weight on it (0 for the window's own
+        # keys); for R-KV also Σ_{i≠j} k̂_i·k̂_j = k̂_j·Σ_i k̂_i − |k̂_j|² and the cosine with its latest
         # near-duplicate (the entry R-KV drops from that duplicate's column).
         pid = tl.program_id(0)
         b = pid // n_heads
@@ -185,16 +236,28 @@ if triton is not None:
         ok = s < length
         base = k_ptr + b * sk_b + h * sk_h
         row = pid * span
-        k = tl.load(base + s[:, None] * sk_s + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        inv = tl.load(inv_ptr + row + s, mask=ok, other=0.0)
-        total = tl.load(total_ptr + pid * D + d)
-        column = inv * tl.sum(k * total[None, :], 1) - inv * inv * tl.sum(k * k, 1)
-        latest = tl.load(latest_ptr + row + s, mask=ok, other=-1)
-        has = ok & (latest >= 0)
-        kl = tl.load(base + latest[:, None] * sk_s + d[None, :], mask=has[:, None], other=0.0).to(tl.float32)
-        inv_l = tl.load(inv_ptr + row + latest, mask=has, other=0.0)
-        tl.store(column_ptr + row + s, column, mask=s < span)
-        tl.store(value_ptr + row + s, tl.sum(k * kl, 1) * inv * inv_l, mask=s < span)
+        k = tl.load(base + s[:, None] * sk_s + d[None, :], mask=ok[:, None], other=0.0)
+        q, rows_ok, query_slot = _window_queries(q_ptr, b, h, q_next, sq_b, sq_h, sq_w, length, G, W, R, D)
+        scores, visible = _window_scores(q, k, s, rows_ok, query_slot, scale, PRECISION)
+        r = tl.arange(0, R)
+        m = tl.load(m_ptr + pid * R + r)
+        l_sum = tl.load(l_ptr + pid * R + r)
+        # A query that sees no key (a prompt shorter than the window) adds 0, as nan_to_num does.
+        seen = visible & (l_sum > 0)[:, None]
+        p = tl.where(seen, tl.exp(scores - m[:, None]) / tl.where(l_sum > 0, l_sum, 1.0)[:, None], 0.0)
+        importance = tl.where(s >= length - W, 0.0, tl.sum(p, 0) / (G * W))
+        tl.store(importance_ptr + row + s, importance, mask=s < span)
+        if REDUNDANCY:
+            kf = k.to(tl.float32)
+            inv = tl.load(inv_ptr + row + s, mask=ok, other=0.0)
+            total = tl.load(total_ptr + pid * D + d)
+            column = inv * tl.sum(kf * total[None, :], 1) - inv * inv * tl.sum(kf * kf, 1)
+            latest = tl.load(latest_ptr + row + s, mask=ok, other=-1)
+            has = ok & (latest >= 0)
+            kl = tl.load(base + latest[:, None] * sk_s + d[None, :], mask=has[:, None], other=0.0)
+            inv_l = tl.load(inv_ptr + row + latest, mask=has, other=0.0)
+            tl.store(column_ptr + row + s, column, mask=s < span)
+            tl.store(value_ptr + row + s, tl.sum(kf * kl.to(tl.float32), 1) * inv * inv_l, mask=s < span)
 
     @triton.jit
     def _compact_kernel(k_ptr, v_ptr, pos_ptr, kept_ptr, sk_b, sk_h, sk_s, sp_b, sp_h, span, n_heads,
@@ -307,36 +370,54 @@ if triton is not None:
             tl.store(kc_ptr + b * sc_b + (h - HQ) * sc_h + slot * sc_s + d, out)
 
 
-def key_redundancy_terms(keys: torch.Tensor, lengths: torch.Tensor,
-                         threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What R-KV's redundancy needs of keys [B, H, S, D] (row b stores lengths[b] keys; threshold
-    >= 0), without the
-    S×S similarity tensor -> ([B, H, S] fp32, [B, H, S] int32, [B, H, S] fp32):
-    - column: Σ_{i≠j} k̂_i·k̂_j for each stored key j (k̂ = k / (|k| + 1e-8));
-    - latest: per key i, the latest other key j with cosine(k_i, k_j) > threshold (-1 if none);
-    - value: that cosine (0 if none).
-    Cosines of the near-duplicate search from the tensor-core dot of the stored keys (fp32 accumulate)
-    and fp32 norms; the rest in fp32. Three passes: norms, the pairs (each once), the columns."""
+class KeyScores(NamedTuple):
+    """What the scoring policies need of one layer's stored keys ([B, H, S] each, fp32 unless said)."""
+
+    importance: torch.Tensor  # mean softmax weight of the window queries (policies.window_attention)
+    column: torch.Tensor | None  # R-KV: Σ_{i≠j} k̂_i·k̂_j for each stored key j (k̂ = k / (|k| + 1e-8))
+    latest: torch.Tensor | None  # R-KV: the latest other key with cosine > threshold, -1 if none (int32)
+    value: torch.Tensor | None  # R-KV: that cosine (0 if none)
+
+
+def key_scores(keys: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor, q_next: int,
+               threshold: float | None) -> KeyScores:
+    """Score keys [B, H, S, D] (row b stores lengths[b] keys) by the window queries [B, H·G, W, D]
+    (a ring whose oldest query sits at q_next), as policies.window_attention does; with a threshold
+    (>= 0) also R-KV's redundancy terms, without the S×S similarity tensor. Two passes over the
+    keys (softmax statistics and norms, then the scores) and, for R-KV, one over the key pairs,
+    each once. Cosines from the tensor-core dot of the stored keys (fp32 accumulate) and fp32
+    norms; attention scores rounded as grouped_probs rounds them; the rest in fp32."""
     b, heads, span, dim = keys.shape
-    assert keys.stride(-1) == 1
-    dev = keys.device
-    inv = torch.empty((b, heads, span), dtype=torch.float32, device=dev)
-    total = torch.empty((b, heads, dim), dtype=torch.float32, device=dev)
-    _key_norms_kernel[(b * heads,)](keys, lengths, inv, total, keys.stride(0), keys.stride(1), keys.stride(2),
-                                    span, heads, D=dim, BLOCK=64, num_warps=4)
-    latest = torch.full((b, heads, span), -1, dtype=torch.int32, device=dev)
-    # bf16: 128 keys a side, 4 warps, from a sweep on an H100 (64-128 keys x 4/8 warps x 1-3 stages,
-    # and a full S×S variant without atomics: 1.4-2.5x slower); fp32 operands (tests) fit at 64.
-    block, warps = (128, 4) if keys.dtype == torch.bfloat16 else (64, 4)
-    _latest_duplicate_kernel[(b * heads, -(-span // block))](
-        keys, inv, lengths, latest, keys.stride(0), keys.stride(1), keys.stride(2), span, heads, threshold,
-        D=dim, BLOCK=block, PRECISION=_precision(keys.dtype), num_warps=warps, num_stages=2)
-    column = torch.empty_like(inv)
-    value = torch.empty_like(inv)
-    _redundancy_column_kernel[(b * heads, -(-span // 64))](
-        keys, lengths, inv, total, latest, column, value, keys.stride(0), keys.stride(1), keys.stride(2),
-        span, heads, D=dim, BLOCK=64, num_warps=4)
-    return column, latest, value
+    window, group = queries.shape[2], queries.shape[1] // heads
+    rows = max(16, triton.next_power_of_2(group * window))  # tl.dot wants 16 rows or more
+    assert keys.stride(-1) == 1 and queries.stride(-1) == 1
+    dev, f32 = keys.device, torch.float32
+    redundancy = threshold is not None
+    stats = torch.empty((2, b * heads, rows), dtype=f32, device=dev)
+    inv = torch.empty((b, heads, span), dtype=f32, device=dev) if redundancy else stats
+    total = torch.empty((b, heads, dim), dtype=f32, device=dev) if redundancy else stats
+    common = dict(G=group, W=window, R=rows, D=dim, REDUNDANCY=redundancy, PRECISION=_precision(keys.dtype))
+    strides = (*keys.stride()[:3], *queries.stride()[:3])
+    scale = dim ** -0.5
+    _key_pass_kernel[(b * heads,)](keys, lengths, queries, stats[0], stats[1], inv, total, q_next, scale,
+                                   *strides, span, heads, BLOCK=64, num_warps=4, **common)
+    latest = column = value = None
+    if threshold is not None:
+        latest = torch.full((b, heads, span), -1, dtype=torch.int32, device=dev)
+        # bf16: 128 keys a side, 4 warps: bench/results/duplicate-sweep-h100.json (64-128 keys x
+        # 4/8 warps x 2/3 stages, and a full S×S variant without atomics: 1.2-2x slower); fp32
+        # operands (tests) fit shared memory at 64.
+        block = 128 if keys.dtype == torch.bfloat16 else 64
+        _latest_duplicate_kernel[(b * heads, -(-span // block))](
+            keys, inv, lengths, latest, *keys.stride()[:3], span, heads, threshold, D=dim, BLOCK=block,
+            PRECISION=_precision(keys.dtype), num_warps=4, num_stages=2)
+        column, value = torch.empty_like(inv), torch.empty_like(inv)
+    importance = torch.empty((b, heads, span), dtype=f32, device=dev)
+    _key_scores_kernel[(b * heads, -(-span // 64))](
+        keys, lengths, queries, stats[0], stats[1], inv, total, latest if latest is not None else stats,
+        importance, column if column is not None else stats, value if value is not None else stats, q_next,
+        scale, *strides, span, heads, BLOCK=64, num_warps=4, **common)
+    return KeyScores(importance, column, latest, value)
 
 
 def compact_(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, kept: torch.Tensor) -> None:

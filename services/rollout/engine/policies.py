@@ -32,6 +32,8 @@ class KVCache(Protocol):
     positions: torch.Tensor
     lengths_t: torch.Tensor  # [layers, B]
     attn_acc: torch.Tensor | None
+    q_window: torch.Tensor | None  # [layers, B, Hq, window, D], a ring whose oldest query is at q_next
+    q_next: int
 
     def window_queries(self, layer: int) -> torch.Tensor: ...
 
@@ -65,7 +67,11 @@ class SnapKV(EvictionPolicy):
     uses_query_window = True
 
     def score(self, cache: KVCache, layer: int, span: int, valid: torch.Tensor) -> torch.Tensor:
-        return pool(window_attention(cache, layer, span), self.kv)
+        if cache.k[layer].is_cuda and kernels.available():
+            importance, _ = fused_scores(cache, layer, span, valid, None)
+        else:
+            importance = window_attention(cache, layer, span)
+        return pool(importance, self.kv)
 
 
 class H2O(EvictionPolicy):
@@ -82,14 +88,15 @@ class RKV(EvictionPolicy):
     uses_query_window = True
 
     def score(self, cache: KVCache, layer: int, span: int, valid: torch.Tensor) -> torch.Tensor:
-        importance = pool(window_attention(cache, layer, span), self.kv)
-        keys = cache.k[layer][:, :, :span]
-        if keys.is_cuda and kernels.available():
-            redundancy = key_redundancy_fused(keys, valid, self.kv.similarity_threshold)
+        threshold = self.kv.similarity_threshold
+        if cache.k[layer].is_cuda and kernels.available():
+            importance, redundancy = fused_scores(cache, layer, span, valid, threshold)
+            assert redundancy is not None
         else:
-            redundancy = key_redundancy(keys, valid, self.kv.similarity_threshold)
+            importance = window_attention(cache, layer, span)
+            redundancy = key_redundancy(cache.k[layer][:, :, :span], valid, threshold)
         lam = self.kv.mix_lambda
-        return lam * importance - (1.0 - lam) * redundancy
+        return lam * pool(importance, self.kv) - (1.0 - lam) * redundancy
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
@@ -167,16 +174,23 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float) ->
     return out
 
 
-def key_redundancy_fused(keys: torch.Tensor, valid: torch.Tensor, threshold: float) -> torch.Tensor:
-    """key_redundancy without the S×S similarity tensor (CUDA, Triton); valid must mark a prefix.
+def fused_scores(cache: KVCache, layer: int, span: int, valid: torch.Tensor,
+                 threshold: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """window_attention and, with a threshold, key_redundancy of one layer, in Triton (CUDA); valid
+    must mark a prefix. Same quantities up to fp32 rounding.
 
-    Column j's sum over the other keys is k̂_j·Σ_i k̂_i − |k̂_j|² (k̂: unit keys, free slots 0); the
-    near-duplicate entries R-KV drops come from one pass over the key pairs that keeps, per key,
-    only its latest near-duplicate and their cosine, and are subtracted from their columns
-    (kernels.key_redundancy_terms). Same quantity as key_redundancy up to fp32 rounding.
+    Column j's redundancy sum over the other keys is k̂_j·Σ_i k̂_i − |k̂_j|² (k̂: unit keys, free slots
+    0); the near-duplicate entries R-KV drops come from one pass over the key pairs that keeps, per
+    key, only its latest near-duplicate and their cosine, and are subtracted from their columns
+    (kernels.key_scores).
     """
+    assert cache.q_window is not None
     lengths = valid.sum(dim=-1)
-    column, latest, value = kernels.key_redundancy_terms(keys, lengths, threshold)
-    column.scatter_add_(-1, latest.clamp(min=0).long(), torch.where(latest >= 0, -value, 0.0))
+    scores = kernels.key_scores(cache.k[layer][:, :, :span], lengths, cache.q_window[layer], cache.q_next,
+                                threshold)
+    if scores.column is None or scores.latest is None or scores.value is None:
+        return scores.importance, None
+    column, latest = scores.column, scores.latest
+    column.scatter_add_(-1, latest.clamp(min=0).long(), torch.where(latest >= 0, -scores.value, 0.0))
     mean = column / lengths.clamp(min=1)[:, None, None]
-    return mean.masked_fill(~valid[:, None], float("-inf")).softmax(dim=-1)
+    return scores.importance, mean.masked_fill(~valid[:, None], float("-inf")).softmax(dim=-1)

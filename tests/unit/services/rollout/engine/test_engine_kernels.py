@@ -7,7 +7,7 @@ import torch
 
 from services.rollout.engine import KVConfig, kernels
 from services.rollout.engine.kv_cache import KVCache, layer_capacities
-from services.rollout.engine.policies import key_redundancy, key_redundancy_fused
+from services.rollout.engine.policies import fused_scores, key_redundancy, window_attention
 
 
 @pytest.mark.gpu
@@ -32,7 +32,7 @@ def test_decode_attention_equals_sdpa_in_bf16() -> None:
 @pytest.mark.skipif(not kernels.available(), reason="needs CUDA and Triton")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("threshold", [0.5, 0.1, 0.0])
-def test_fused_key_redundancy_equals_the_reference(dtype: torch.dtype, threshold: float) -> None:
+def test_redundancy_terms_equal_the_similarity_matrix(dtype: torch.dtype, threshold: float) -> None:
     torch.manual_seed(1)
     b, h, s, d = 3, 4, 300, 128
     keys = torch.randn(b, h, s, d, device="cuda").to(dtype)
@@ -41,37 +41,60 @@ def test_fused_key_redundancy_equals_the_reference(dtype: torch.dtype, threshold
     keys[1, 2, 90] = keys[1, 2, 5]
     keys[0, 1, 7] = 0  # a zero key: unit key 0, as in the reference
     lengths = torch.tensor([300, 211, 64], device="cuda")
+    queries = torch.randn(b, 2 * h, 8, d, device="cuda").to(dtype)
+    scores = kernels.key_scores(keys, lengths, queries, 0, threshold)
+    assert scores.column is not None and scores.latest is not None and scores.value is not None
     valid = torch.arange(s, device="cuda")[None] < lengths[:, None]
-    column, latest, value = kernels.key_redundancy_terms(keys, lengths, threshold)
     k = keys.float()
     unit = (k / (k.norm(dim=-1, keepdim=True) + 1e-8)).masked_fill(~valid[:, None, :, None], 0.0)
     sim = unit @ unit.transpose(-1, -2)
     sim.diagonal(dim1=-2, dim2=-1).zero_()
     stored = valid[:, None].expand(-1, h, -1)
-    torch.testing.assert_close(column[stored], sim.sum(dim=-2)[stored], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(scores.column[stored], sim.sum(dim=-2)[stored], atol=2e-4, rtol=1e-4)
     if threshold == 0.5:  # far from the threshold: the same pairs as the fp32 reference
+        latest = scores.latest
         assert int(latest[0, 0, 17]) == 250 and int(latest[1, 2, 5]) == 90 and int(latest[0, 0, 250]) == 200
         slot = torch.arange(s, device="cuda", dtype=torch.float32)
         want = torch.where(sim > threshold, slot, -1.0).amax(-1)
         assert torch.equal(latest[stored].long(), want[stored].long())
         hit = stored & (latest >= 0)
         cosine = sim.gather(-1, latest.clamp(min=0).long()[..., None])[..., 0]
-        torch.testing.assert_close(value[hit], cosine[hit], atol=1e-3, rtol=1e-3)
-    torch.testing.assert_close(
-        key_redundancy_fused(keys, valid, threshold),
-        key_redundancy(keys, valid, threshold),
-        atol=1e-6,
-        rtol=1e-4,
-    )
+        torch.testing.assert_close(scores.value[hit], cosine[hit], atol=1e-3, rtol=1e-3)
 
 
-def _full_cuda_cache(policy: str, in_place: bool) -> KVCache:
+@pytest.mark.gpu
+@pytest.mark.skipif(not kernels.available(), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("threshold", [None, 0.5, 0.1])
+def test_fused_scores_equal_the_torch_policies(dtype: torch.dtype, threshold: float | None) -> None:
+    # Window attention (SnapKV, R-KV) and R-KV's redundancy of a cache whose rows store different
+    # lengths, one shorter than the query window, with the query ring part-way round.
+    cache = _full_cuda_cache("rkv", True, dtype)
+    lengths = [p + 300 + 64 for p in (16, 9, 16)] + [5]
+    cache.set_layer_lengths([lengths] * 2)
+    cache.q_next = 3
+    cache.k[0][1, 1, 40] = cache.k[0][1, 1, 200]
+    span = max(lengths)
+    valid = torch.arange(span, device="cuda")[None] < torch.tensor(lengths, device="cuda")[:, None]
+    importance, redundancy = fused_scores(cache, 0, span, valid, threshold)
+    stored = valid[:, None].expand(-1, 2, -1)
+    want = window_attention(cache, 0, span)
+    torch.testing.assert_close(importance[stored], want[stored], atol=1e-6, rtol=1e-4)
+    if threshold is None:
+        assert redundancy is None
+    else:
+        assert redundancy is not None
+        torch.testing.assert_close(redundancy, key_redundancy(cache.k[0][:, :, :span], valid, threshold),
+                                   atol=1e-6, rtol=1e-4)
+
+
+def _full_cuda_cache(policy: str, in_place: bool, dtype: torch.dtype = torch.bfloat16) -> KVCache:
     """Two layers whose rows (prompts of unequal length) hold prompt + budget + buffer random keys."""
     kv = KVConfig(policy=policy, budget=300, buffer=64)
     prompts = [16, 9, 16, 3]
     capacities = layer_capacities(prompts, 2000, kv, 2)
     cache = KVCache(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=128, prompt_lengths=prompts,
-                    capacity=capacities, kv=kv, dtype=torch.bfloat16, device=torch.device("cuda"))
+                    capacity=capacities, kv=kv, dtype=dtype, device=torch.device("cuda"))
     cache._compact_in_place = in_place
     gen = torch.Generator(device="cuda").manual_seed(0)
     for buf in (*cache.k, *cache.v) + ((cache.q_window,) if cache.q_window is not None else ()):
