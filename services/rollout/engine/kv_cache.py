@@ -7,9 +7,10 @@ is only as large as its own budget needs, so a pyramid costs the memory of a uni
 Keys are stored after RoPE at their logical positions, so evicting a token never shifts another
 token's position. Row `r` of layer `l` stores its tokens in slots `[0, layer_lengths(l)[r])`, in
 chronological order; every KV head of a layer stores the same number of tokens, but per-head
-policies keep different tokens in each head. Compression gathers the kept slots of each
-(row, head) to the front, one layer at a time, so the extra memory it needs is one layer's worth
-and the batch's KV memory never depends on the generated length.
+policies keep different tokens in each head. Compression moves the kept slots of each
+(row, head) to the front, one layer at a time: on CUDA in place (kernels.compact_), elsewhere by
+a gather whose extra memory is one layer's worth; the batch's KV memory never depends on the
+generated length.
 
 Attention over the cache (writing new keys and values, attending) is attention.CacheAttention's,
 or, for a static cache, fused_decode.FusedDecoder's. A static cache (CUDA graphs, cuda_graphs.py)
