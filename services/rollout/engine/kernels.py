@@ -5,7 +5,8 @@ step has the same shapes and launches at every length and can be captured in a C
 
 - `qkv_rope_store`: per decode token, q/k norm, RoPE, and the K/V write at slot `lengths[row]`.
 - `rms_norm`, `silu_mul`: the rest of a layer's elementwise work, one kernel each.
-- `greedy`: a greedy step's token and recorded log-prob in one pass over the logits.
+- `greedy`, `sample`: a step's token and recorded log-prob in one pass (greedy) or three (inverse-CDF
+  sampling) over the logits.
 - `decode_attention`: flash-decoding over the slots `[0, lengths[row] + 1)` of each row (the new
   token included): the G query heads of a KV head are the rows of one tile (no K/V repeat), the
   slots are cut into fixed splits whose partial softmax results one small kernel merges. Splits
@@ -312,6 +313,45 @@ if triton is not None:
         tl.store(logprob_ptr + row, best - (m + tl.log(total)))
 
     @triton.jit
+    def _sample_kernel(logits_ptr, u_ptr, token_ptr, logprob_ptr, stride, vocab, temperature,
+                       BLOCK: tl.constexpr):
+        # One row a program, inverse-CDF over softmax(logits / T) with the row's uniform u, in three
+        # reads of the logits (maximum; sum; the tile where the running sum passes u · sum) instead
+        # of ~10 passes over an fp32 [B, V] copy. The running sum adds the same per-tile sums as the
+        # total, in the same order, so it always passes u · total within the vocabulary.
+        row = tl.program_id(0)
+        base = logits_ptr + row.to(tl.int64) * stride
+        v = tl.arange(0, BLOCK)
+        m = tl.max(tl.load(base + v, mask=v < vocab, other=float("-inf")).to(tl.float32) / temperature, 0)
+        for v0 in range(BLOCK, vocab, BLOCK):
+            x = tl.load(base + v0 + v, mask=v0 + v < vocab, other=float("-inf")).to(tl.float32) / temperature
+            m = tl.maximum(m, tl.max(x, 0))
+        total = 0.0
+        for v0 in range(0, vocab, BLOCK):
+            x = tl.load(base + v0 + v, mask=v0 + v < vocab, other=float("-inf")).to(tl.float32) / temperature
+            total += tl.sum(tl.exp(x - m), 0)
+        target = tl.load(u_ptr + row) * total
+        carry = 0.0
+        token = tl.full([], -1, tl.int32)
+        v0 = 0
+        while (token < 0) & (v0 < vocab):
+            x = tl.load(base + v0 + v, mask=v0 + v < vocab, other=float("-inf")).to(tl.float32) / temperature
+            p = tl.exp(x - m)
+            tile = tl.sum(p, 0)
+            if carry + tile > target:
+                # The first slot whose running sum passes the target (searchsorted, right=True); the
+                # in-tile prefix sums round differently from `tile`, so fall back to the tile's last
+                # slot with mass.
+                first = tl.min(tl.where(carry + tl.cumsum(p, 0) > target, v, BLOCK), 0)
+                last = tl.max(tl.where(p > 0, v, -1), 0)
+                token = v0 + tl.where(first < BLOCK, first, last)
+            carry += tile
+            v0 += BLOCK
+        x_token = tl.load(base + token).to(tl.float32) / temperature
+        tl.store(token_ptr + row, token.to(tl.int64))
+        tl.store(logprob_ptr + row, x_token - (m + tl.log(total)))
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, eps, n, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         c = tl.arange(0, BLOCK)
@@ -441,6 +481,20 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     logprobs = torch.empty(b, dtype=torch.float32, device=logits.device)
     _greedy_kernel[(b,)](logits, tokens, logprobs, logits.stride(0), vocab, BLOCK=4096, num_warps=8,
                          num_stages=3)
+    return tokens, logprobs
+
+
+def sample(logits: torch.Tensor, uniforms: torch.Tensor,
+           temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V], uniforms [B] in [0, 1), temperature > 0 -> (tokens [B] int64, fp32
+    log_softmax(logits / temperature)[token] [B]): sampler.sample's unfiltered case (top_k = 0,
+    top_p = 1) on CUDA, the same inverse-CDF draw up to fp32 rounding."""
+    b, vocab = logits.shape
+    assert logits.stride(-1) == 1 and temperature > 0
+    tokens = torch.empty(b, dtype=torch.long, device=logits.device)
+    logprobs = torch.empty(b, dtype=torch.float32, device=logits.device)
+    _sample_kernel[(b,)](logits, uniforms.float().contiguous(), tokens, logprobs, logits.stride(0), vocab,
+                         float(temperature), BLOCK=4096, num_warps=8, num_stages=3)
     return tokens, logprobs
 
 

@@ -20,9 +20,21 @@ from services.rollout.engine.config import SamplingParams
 def sample(
     logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] (any dtype), uniforms [B] in [0, 1) -> (tokens [B] int64, logprobs [B] fp32)."""
-    if params.temperature == 0.0 and logits.is_cuda and kernels.available():
-        return kernels.greedy(logits)
+    """logits [B, V] (any dtype), uniforms [B] in [0, 1) -> (tokens [B] int64, logprobs [B] fp32).
+    On CUDA, greedy and unfiltered sampling read the logits in one Triton kernel (kernels.greedy,
+    kernels.sample) instead of ~10 passes over an fp32 copy; the rest is `sample_torch`."""
+    if logits.is_cuda and kernels.available():
+        if params.temperature == 0.0:
+            return kernels.greedy(logits)
+        if params.top_k == 0 and params.top_p == 1.0:
+            return kernels.sample(logits, uniforms, params.temperature)
+    return sample_torch(logits, params, uniforms)
+
+
+def sample_torch(
+    logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample` in torch ops, on any device (the reference the CUDA kernels are tested against)."""
     logits = logits.float()
     if params.temperature == 0.0:
         logprobs = torch.log_softmax(logits, dim=-1)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.rollout.engine import KVConfig, kernels
+from services.rollout.engine import KVConfig, SamplingParams, kernels
 from services.rollout.engine.kv_cache import KVCache, layer_capacities
 from services.rollout.engine.policies import fused_scores, key_redundancy, window_attention
+from services.rollout.engine.sampler import sample_torch
 
 
 @pytest.mark.gpu
@@ -138,3 +139,30 @@ def test_greedy_equals_argmax_and_log_softmax(dtype: torch.dtype) -> None:
     assert torch.equal(tokens, want) and int(tokens[1]) == 151_935 and int(tokens[2]) == 17
     reference = torch.log_softmax(logits.float(), dim=-1).gather(-1, want[:, None])[:, 0]
     torch.testing.assert_close(logprobs, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not kernels.available(), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 1.5])
+def test_sample_draws_the_inverse_cdf_token(temperature: float) -> None:
+    # Each draw is the token whose CDF interval (float64) holds u · total, up to fp32 rounding at the
+    # boundaries, with log_softmax(logits / T) at that token; and mostly the same token as sample_torch.
+    torch.manual_seed(3)
+    rows = 64
+    logits = (2 * torch.randn(rows, 151_936, device="cuda")).to(torch.bfloat16)
+    logits[0, 100_000:] = -1e4  # mass only in a prefix
+    logits[1, :-1] = -1e4  # all mass on the last slot
+    uniforms = torch.rand(rows, device="cuda")
+    uniforms[2], uniforms[3] = 0.0, 1.0 - 2**-24
+    tokens, logprobs = kernels.sample(logits, uniforms, temperature)
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    target = uniforms.double() * cdf[:, -1]
+    below = torch.where(tokens > 0, cdf.gather(-1, (tokens - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    upto = cdf.gather(-1, tokens[:, None])[:, 0]
+    assert bool(((below - 1e-5 <= target) & (target < upto + 1e-5)).all())
+    assert bool((probs.gather(-1, tokens[:, None])[:, 0] > 0).all()) and int(tokens[1]) == 151_935
+    reference = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, tokens[:, None])[:, 0]
+    torch.testing.assert_close(logprobs, reference, atol=1e-5, rtol=1e-5)
+    want, _ = sample_torch(logits, SamplingParams(temperature=temperature, max_new_tokens=1), uniforms)
+    assert float((tokens == want).float().mean()) >= 0.9
