@@ -347,6 +347,7 @@ if triton is not None:
                 token = v0 + tl.where(first < BLOCK, first, last)
             carry += tile
             v0 += BLOCK
+        token = tl.where(token < 0, vocab - 1, token)  # NaN logits pass no target: the last slot, as torch
         x_token = tl.load(base + token).to(tl.float32) / temperature
         tl.store(token_ptr + row, token.to(tl.int64))
         tl.store(logprob_ptr + row, x_token - (m + tl.log(total)))
@@ -474,7 +475,8 @@ def compact_(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, kept: to
 
 def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] -> (argmax [B] int64, log_softmax(logits.float())[argmax] [B] fp32), one kernel:
-    sampler.sample's greedy case on CUDA."""
+    sampler.sample's greedy case on CUDA. A row with a NaN logit gets a NaN log-prob (its token, in
+    the vocabulary, is not torch.argmax's NaN slot)."""
     b, vocab = logits.shape
     assert logits.stride(-1) == 1
     tokens = torch.empty(b, dtype=torch.long, device=logits.device)

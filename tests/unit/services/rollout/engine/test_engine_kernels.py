@@ -166,3 +166,17 @@ def test_sample_draws_the_inverse_cdf_token(temperature: float) -> None:
     torch.testing.assert_close(logprobs, reference, atol=1e-5, rtol=1e-5)
     want, _ = sample_torch(logits, SamplingParams(temperature=temperature, max_new_tokens=1), uniforms)
     assert float((tokens == want).float().mean()) >= 0.9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not kernels.available(), reason="needs CUDA and Triton")
+def test_a_nan_row_samples_inside_the_vocabulary_with_a_nan_logprob() -> None:
+    # A diverged model must not make the sampling kernels read out of bounds (an illegal address
+    # would take the worker's CUDA context with it); the NaN log-prob tells the trainer.
+    logits = torch.randn(3, 151_936, device="cuda").to(torch.bfloat16)
+    logits[1, 7] = float("nan")
+    uniforms = torch.rand(3, device="cuda")
+    for tokens, logprobs in (kernels.sample(logits, uniforms, 1.0), kernels.greedy(logits)):
+        torch.cuda.synchronize()
+        assert bool(((tokens >= 0) & (tokens < 151_936)).all())
+        assert bool(logprobs[1].isnan()) and bool(logprobs[[0, 2]].isfinite().all())
