@@ -11,28 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from bench import cuda_ms
 from services.rollout.engine import SamplingParams
 from services.rollout.engine.sampler import sample, sample_torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VOCAB = 151_936
-
-
-def _us(fn: Callable[[], object], repeats: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    torch.cuda.synchronize()
-    return 1e6 * (time.perf_counter() - start) / repeats
 
 
 def main() -> None:
@@ -47,8 +35,8 @@ def main() -> None:
         for temperature, passes in ((0.0, 1), (1.0, 3)):
             params = SamplingParams(temperature=temperature, max_new_tokens=1)
             args_ = (logits, params, uniforms)
-            torch_us = _us(lambda args_=args_: sample_torch(*args_))
-            kernel_us = _us(lambda args_=args_: sample(*args_))
+            torch_us = 1000 * cuda_ms(lambda args_=args_: sample_torch(*args_), repeats=200, warmup=10)
+            kernel_us = 1000 * cuda_ms(lambda args_=args_: sample(*args_), repeats=200, warmup=10)
             read = passes * logits.numel() * logits.element_size()
             rows.append({"batch": batch, "temperature": temperature, "torch_us": round(torch_us, 1),
                          "kernel_us": round(kernel_us, 1), "speedup": round(torch_us / kernel_us, 2),

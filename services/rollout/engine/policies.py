@@ -67,10 +67,7 @@ class SnapKV(EvictionPolicy):
     uses_query_window = True
 
     def score(self, cache: KVCache, layer: int, span: int, valid: torch.Tensor) -> torch.Tensor:
-        if cache.k[layer].is_cuda and kernels.available():
-            importance, _ = fused_scores(cache, layer, span, valid, None)
-        else:
-            importance = window_attention(cache, layer, span)
+        importance, _ = layer_scores(cache, layer, span, valid, None)
         return pool(importance, self.kv)
 
 
@@ -88,13 +85,8 @@ class RKV(EvictionPolicy):
     uses_query_window = True
 
     def score(self, cache: KVCache, layer: int, span: int, valid: torch.Tensor) -> torch.Tensor:
-        threshold = self.kv.similarity_threshold
-        if cache.k[layer].is_cuda and kernels.available():
-            importance, redundancy = fused_scores(cache, layer, span, valid, threshold)
-            assert redundancy is not None
-        else:
-            importance = window_attention(cache, layer, span)
-            redundancy = key_redundancy(cache.k[layer][:, :, :span], valid, threshold)
+        importance, redundancy = layer_scores(cache, layer, span, valid, self.kv.similarity_threshold)
+        assert redundancy is not None
         lam = self.kv.mix_lambda
         return lam * pool(importance, self.kv) - (1.0 - lam) * redundancy
 
@@ -174,20 +166,23 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float) ->
     return out
 
 
-def fused_scores(cache: KVCache, layer: int, span: int, valid: torch.Tensor,
+def layer_scores(cache: KVCache, layer: int, span: int, valid: torch.Tensor,
                  threshold: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """window_attention and, with a threshold, key_redundancy of one layer, in Triton (CUDA); valid
-    must mark a prefix. Same quantities up to fp32 rounding.
+    """window_attention and, with a threshold, key_redundancy of one layer's stored keys: in Triton
+    on CUDA (kernels.key_scores; the same quantities up to fp32 rounding), else these torch ops.
 
-    Column j's redundancy sum over the other keys is k̂_j·Σ_i k̂_i − |k̂_j|² (k̂: unit keys, free slots
-    0); the near-duplicate entries R-KV drops come from one pass over the key pairs that keeps, per
-    key, only its latest near-duplicate and their cosine, and are subtracted from their columns
-    (kernels.key_scores).
+    On CUDA, column j's redundancy sum over the other keys is k̂_j·Σ_i k̂_i − |k̂_j|² (k̂: unit keys,
+    free slots 0); the near-duplicate entries R-KV drops come from one pass over the key pairs that
+    keeps, per key, only its latest near-duplicate and their cosine, and are subtracted from their
+    columns.
     """
+    keys = cache.k[layer][:, :, :span]
+    if not (keys.is_cuda and kernels.available()):
+        redundancy = None if threshold is None else key_redundancy(keys, valid, threshold)
+        return window_attention(cache, layer, span), redundancy
     assert cache.q_window is not None
-    lengths = valid.sum(dim=-1)
-    scores = kernels.key_scores(cache.k[layer][:, :, :span], lengths, cache.q_window[layer], cache.q_next,
-                                threshold)
+    lengths = cache.lengths_t[layer]
+    scores = kernels.key_scores(keys, lengths, cache.q_window[layer], cache.q_next, threshold)
     if scores.column is None or scores.latest is None or scores.value is None:
         return scores.importance, None
     column, latest = scores.column, scores.latest

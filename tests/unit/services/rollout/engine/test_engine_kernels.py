@@ -7,7 +7,7 @@ import torch
 
 from services.rollout.engine import KVConfig, SamplingParams, kernels
 from services.rollout.engine.kv_cache import KVCache, layer_capacities
-from services.rollout.engine.policies import fused_scores, key_redundancy, window_attention
+from services.rollout.engine.policies import key_redundancy, layer_scores, window_attention
 from services.rollout.engine.sampler import sample_torch
 
 
@@ -67,7 +67,7 @@ def test_redundancy_terms_equal_the_similarity_matrix(dtype: torch.dtype, thresh
 @pytest.mark.skipif(not kernels.available(), reason="needs CUDA and Triton")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("threshold", [None, 0.5, 0.1])
-def test_fused_scores_equal_the_torch_policies(dtype: torch.dtype, threshold: float | None) -> None:
+def test_cuda_layer_scores_equal_the_torch_policies(dtype: torch.dtype, threshold: float | None) -> None:
     # Window attention (SnapKV, R-KV) and R-KV's redundancy of a cache whose rows store different
     # lengths, one shorter than the query window, with the query ring part-way round.
     cache = _full_cuda_cache("rkv", True, dtype)
@@ -77,7 +77,7 @@ def test_fused_scores_equal_the_torch_policies(dtype: torch.dtype, threshold: fl
     cache.k[0][1, 1, 40] = cache.k[0][1, 1, 200]
     span = max(lengths)
     valid = torch.arange(span, device="cuda")[None] < torch.tensor(lengths, device="cuda")[:, None]
-    importance, redundancy = fused_scores(cache, 0, span, valid, threshold)
+    importance, redundancy = layer_scores(cache, 0, span, valid, threshold)
     stored = valid[:, None].expand(-1, 2, -1)
     want = window_attention(cache, 0, span)
     torch.testing.assert_close(importance[stored], want[stored], atol=1e-6, rtol=1e-4)
