@@ -13,7 +13,12 @@ to the full length, so all runs do the same work).
    re-compression).
 3. Fixed KV memory (`--skip-fixed` skips it): the dense batch's KV bytes are the memory budget; each policy
    at the smallest fraction's budget runs the largest batch whose cache fits in it, and its tokens/s is
-   compared to dense.
+   compared to dense, measured and at the bandwidth limit (`tokens_per_s_vs_dense_at_limit`: the same
+   two batches if each step read its bytes at the same rate).
+
+Every row states the bytes a decode step must read (`bytes_per_step`: the weights once, plus each
+row's stored K/V, `stored_tokens_read_mean` tokens on average as the engine compresses) and, on CUDA,
+the step time at the read bandwidth measured in the run (`limit_ms_per_step`, `x_limit`).
 
 `--layer-budgets pyramid` spreads every sparse budget over the layers as PyramidKV does (same KV
 memory; the JSON name gets `-pyramid`); `--dense-from` takes the dense row of an earlier JSON
@@ -50,6 +55,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import Qwen3ForCausalLM
 
 from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
+from services.rollout.engine.config import layer_budgets
 from services.rollout.engine.kv_cache import KVCache, layer_capacities
 from services.rollout.models.decoder import DecoderLM
 from shared.dtypes import by_short_name, dtype_name
@@ -137,6 +143,54 @@ def compression_ms(engine: LLMEngine, batch: int, prompt: int, gen: int, kv: KVC
     return round(1000 * times[-1], 3)
 
 
+def stored_tokens_read(prompt: int, gen: int, kv: KVConfig, layers: int) -> float:
+    """Mean stored tokens a decode step reads per row and layer (its new token included) over the
+    gen - 1 decode steps of `gen` tokens (the first comes from the prefill), compressing as the
+    engine does: after a step, once some layer holds its protected + budget + buffer tokens, every
+    layer keeps protected + its budget."""
+    if gen < 2:
+        return float(prompt)
+    if kv.policy == "dense":
+        return prompt + gen / 2
+    protected = prompt if kv.keep_prompt else 0
+    keep = [protected + budget for budget in layer_budgets(kv, layers)]
+    held = [min(prompt, k) if any(prompt >= k + kv.buffer for k in keep) else prompt for k in keep]
+    total = 0
+    for _ in range(gen - 1):
+        total += sum(held) + layers
+        held = [n + 1 for n in held]
+        if any(n >= k + kv.buffer for n, k in zip(held, keep, strict=True)):
+            held = [min(n, k) for n, k in zip(held, keep, strict=True)]
+    return total / ((gen - 1) * layers)
+
+
+def read_bandwidth(device: torch.device) -> float:
+    """Bytes per second the device reads in one large reduction (what a bandwidth-bound step can
+    at best stream), from 2 GiB of bf16."""
+    x = torch.ones(1 << 30, dtype=torch.bfloat16, device=device)
+    x.sum(dtype=torch.float32)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(5):
+        x.sum(dtype=torch.float32)
+    _sync(device)
+    return 5 * x.numel() * x.element_size() / (time.perf_counter() - start)
+
+
+def with_bandwidth_limit(row: dict[str, Any], weight_bytes: int, kv_bytes_per_token: int, prompt: int,
+                         gen: int, kv: KVConfig, layers: int, bandwidth: float | None) -> dict[str, Any]:
+    """The row's bytes per decode step (the weights once, each row's stored K/V) and, with a
+    measured bandwidth, how far its step is from reading them at that rate."""
+    stored = stored_tokens_read(prompt, gen, kv, layers)
+    step_bytes = weight_bytes + row["batch"] * stored * kv_bytes_per_token
+    row["stored_tokens_read_mean"] = round(stored, 1)
+    row["bytes_per_step"] = round(step_bytes)
+    if bandwidth:
+        row["limit_ms_per_step"] = round(1000 * step_bytes / bandwidth, 3)
+        row["x_limit"] = round(row["ms_per_step"] / row["limit_ms_per_step"], 3)
+    return row
+
+
 def ops_per_decode_step(engine: LLMEngine, prompts: list[list[int]], kv: KVConfig) -> dict[str, float]:
     """aten ops dispatched per decode step: the difference of a 12- and a 4-token generate, over 8 steps.
 
@@ -214,6 +268,12 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
         torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
     engine = LLMEngine(model, device=device)
     gen, batch = args.gen, args.batch
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied counted once
+    bandwidth = read_bandwidth(device) if device.type == "cuda" else None
+
+    def limit(row: dict[str, Any], kv: KVConfig) -> dict[str, Any]:
+        return with_bandwidth_limit(row, weight_bytes, engine.kv_bytes_per_token(), args.prompt, gen, kv,
+                                    config.num_hidden_layers, bandwidth)
     gen_rng = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, config.vocab_size, (batch, args.prompt), generator=gen_rng).tolist()
     buffer = min(128, max(1, gen // 16))
@@ -243,6 +303,8 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
         "fractions": fractions,
         "reuse_dense": args.reuse_dense,
         "kv_bytes_per_token": engine.kv_bytes_per_token(),
+        "weight_bytes": weight_bytes,
+        "read_bandwidth_tb_s": bandwidth and round(bandwidth / 1e12, 3),
         "cuda_graphs": engine.cuda_graphs,
         "ops_per_decode_step": {},
         "policies": rows,
@@ -267,6 +329,7 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
                                    measured_in=Path(args.dense_from).name)
     else:
         first_dense = dense = run_engine(engine, prompts, gen, KVConfig())
+    limit(dense, KVConfig())  # an earlier JSON's row too: the bytes follow from its batch
     print(json.dumps(dense))
     rows.append(dense)
     save(result)
@@ -288,7 +351,7 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
         # On a shared machine speed drifts over minutes: ratios use a dense run made next to them.
         if args.reuse_dense:
             return first_dense
-        again = run_engine(engine, prompts, gen, KVConfig())
+        again = limit(run_engine(engine, prompts, gen, KVConfig()), KVConfig())
         print(json.dumps(again))
         return again
 
@@ -311,11 +374,17 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
         result["transformers_generate"] = baseline
         save(result)
 
-    for fraction in fractions if not args.skip_same_batch else ():  # against the latest dense run
+    if device.type == "cuda":
+        # Compile each budget's compression kernels (Triton, on a fresh machine seconds each) before
+        # any timed row: a full cache of two rows at the row's span compiles what the runs call.
+        for fraction in fractions:
+            for policy in policies:
+                compression_ms(engine, 2, args.prompt, gen, sparse(policy, int(gen * fraction)))
 
+    for fraction in fractions if not args.skip_same_batch else ():  # against the latest dense run
         for policy in policies:
             kv = sparse(policy, int(gen * fraction))
-            row = run_engine(engine, prompts, gen, kv)
+            row = limit(run_engine(engine, prompts, gen, kv), kv)
             if device.type == "cuda":
                 row["compression_ms"] = compression_ms(engine, batch, args.prompt, gen, kv)
             row["budget_fraction"] = fraction
@@ -335,10 +404,14 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
         per_seq = slots * engine.kv_bytes_per_token() // layers
         big = max(1, memory // per_seq)
         big_prompts = torch.randint(0, config.vocab_size, (big, args.prompt), generator=gen_rng).tolist()
-        row = run_engine(engine, big_prompts, gen, kv)
+        row = limit(run_engine(engine, big_prompts, gen, kv), kv)
         row["kv_memory_budget"] = memory
         row["dense_batch"], row["dense_tokens_per_s"] = dense["batch"], dense["tokens_per_s"]
         row["tokens_per_s_vs_dense"] = round(row["tokens_per_s"] / dense["tokens_per_s"], 3)
+        # What the same two runs would give if both read their bytes at the same rate: the most the
+        # cache's smaller reads can buy against a dense engine at the bandwidth limit.
+        row["tokens_per_s_vs_dense_at_limit"] = round(
+            big / row["bytes_per_step"] / (dense["batch"] / dense["bytes_per_step"]), 3)
         if device.type == "cuda":
             row["compression_ms"] = compression_ms(engine, big, args.prompt, gen, kv)
         print(json.dumps(row))
@@ -354,6 +427,9 @@ def run(args: argparse.Namespace, save: Any) -> dict[str, Any]:
         ),
         "best_tokens_per_s_vs_dense_at_equal_kv_memory": max(
             (r["tokens_per_s_vs_dense"] for r in fixed), default=None
+        ),
+        "best_tokens_per_s_vs_dense_at_equal_kv_memory_at_limit": max(
+            (r["tokens_per_s_vs_dense_at_limit"] for r in fixed), default=None
         ),
         "dense_vs_transformers_generate": baseline and baseline["dense_tokens_per_s_vs_transformers"],
     }
