@@ -39,6 +39,15 @@ _BLOCK_N = 128  # slots per tile
 _WARPS, _STAGES = 8, 2
 
 
+# Compression's key pass: at most _KEY_CHUNKS programs per (row, KV head), each over about
+# _KEY_CHUNK keys in tiles of _KEY_BLOCK (one program per row and head left a batch-8 cache's pass
+# latency-bound: 28 layers of R-KV scores 4.5 -> 4.0 ms, batch 59 at 1.7B 42.5 -> 40 ms, on an H100);
+# the scores pass takes _SCORES_BLOCK keys a program.
+_KEY_CHUNK, _KEY_CHUNKS = 256, 16
+_KEY_BLOCK = 64
+_SCORES_BLOCK = 64
+
+
 def _precision(dtype: torch.dtype) -> str:
     # fp32 caches (tests, CPU-sized models) keep fp32 products; TF32 would round them to 10 bits.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -133,25 +142,28 @@ if triton is not None:
 
     @triton.jit
     def _key_pass_kernel(k_ptr, len_ptr, q_ptr, m_ptr, l_ptr, inv_ptr, total_ptr, q_next, scale, sk_b, sk_h,
-                         sk_s, sq_b, sq_h, sq_w, span, n_heads, G: tl.constexpr, W: tl.constexpr,
+                         sk_s, sq_b, sq_h, sq_w, span, n_heads, chunk, G: tl.constexpr, W: tl.constexpr,
                          R: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, REDUNDANCY: tl.constexpr,
                          PRECISION: tl.constexpr):
-        # One (row, KV head) a program, over its stored keys: the softmax maximum and sum of each
-        # window query (online); for R-KV also 1 / (|k| + 1e-8) of each key and the sum of the
-        # unit keys.
+        # One (row, KV head) and one chunk of its stored keys a program: each window query's
+        # softmax maximum and sum over the chunk (online); for R-KV also 1 / (|k| + 1e-8) of each
+        # key and the chunk's sum of unit keys (key_scores merges the chunks).
         pid = tl.program_id(0)
+        part = pid * tl.num_programs(1) + tl.program_id(1)
         b = pid // n_heads
         h = pid % n_heads
         length = tl.load(len_ptr + b).to(tl.int32)
+        start = tl.program_id(1) * chunk
+        end = tl.minimum(start + chunk, length)
         d = tl.arange(0, D)
         base = k_ptr + b * sk_b + h * sk_h
         q, rows_ok, query_slot = _window_queries(q_ptr, b, h, q_next, sq_b, sq_h, sq_w, length, G, W, R, D)
         m = tl.full([R], float("-inf"), tl.float32)
         l_sum = tl.zeros([R], tl.float32)
         total = tl.zeros([D], tl.float32)
-        for s0 in range(0, length, BLOCK):
+        for s0 in range(start, end, BLOCK):
             s = s0 + tl.arange(0, BLOCK)
-            ok = s < length
+            ok = s < end
             k = tl.load(base + s[:, None] * sk_s + d[None, :], mask=ok[:, None], other=0.0)
             scores, visible = _window_scores(q, k, s, rows_ok, query_slot, scale, PRECISION)
             m_new = tl.maximum(m, tl.max(tl.where(visible, scores, float("-inf")), 1))
@@ -166,10 +178,10 @@ if triton is not None:
                 tl.store(inv_ptr + pid * span + s, inv, mask=ok)
                 total += tl.sum(kf * inv[:, None], 0)
         r = tl.arange(0, R)
-        tl.store(m_ptr + pid * R + r, m)
-        tl.store(l_ptr + pid * R + r, l_sum)
+        tl.store(m_ptr + part * R + r, m)
+        tl.store(l_ptr + part * R + r, l_sum)
         if REDUNDANCY:
-            tl.store(total_ptr + pid * D + d, total)
+            tl.store(total_ptr + part * D + d, total)
 
     @triton.jit
     def _duplicate_tile(ki, inv_i, i, kj, inv_j, j, threshold, best_row, latest_row,
@@ -177,14 +189,16 @@ if triton is not None:
         """One tile of key pairs (i, j > i): the rows' latest later near-duplicate, and for each
         column j its latest earlier one, which an atomic max merges across programs. Free slots
         have inverse norm 0, so cosine 0, never above the threshold (>= 0)."""
-        sim = tl.dot(ki, tl.trans(kj), input_precision=PRECISION) * inv_i[:, None] * inv_j[None, :]
+        # Scaled by the columns' norms only: a row's largest cosine is its largest scaled dot times
+        # its own (positive) inverse norm, so the skip test costs one product per pair, not two.
+        scaled = tl.dot(ki, tl.trans(kj), input_precision=PRECISION) * inv_j[None, :]
         if DIAGONAL:
-            sim = tl.where(j[None, :] > i[:, None], sim, 0.0)
+            scaled = tl.where(j[None, :] > i[:, None], scaled, 0.0)
         # Most tiles of unrelated keys hold no near-duplicate: one max instead of the two index
         # reductions and the atomics (the 28 layers of a 0.6B batch-112 cache of random keys on an
         # H100: 25 -> 18 ms, bench/results/duplicate-sweep-h100.json); a tile with a hit costs both.
-        if tl.max(tl.max(sim, 1), 0) > threshold:
-            hit = sim > threshold
+        if tl.max(tl.max(scaled, 1) * inv_i, 0) > threshold:
+            hit = scaled * inv_i[:, None] > threshold
             best_row = tl.maximum(best_row, tl.max(tl.where(hit, j[None, :], -1), 1))
             best_col = tl.max(tl.where(hit, i[:, None], -1), 0)
             tl.atomic_max(latest_row + j, best_col, mask=best_col >= 0, sem="relaxed")
@@ -434,14 +448,28 @@ def key_scores(keys: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
     assert keys.stride(-1) == 1 and queries.stride(-1) == 1
     dev, f32 = keys.device, torch.float32
     redundancy = threshold is not None
-    stats = torch.empty((2, b * heads, rows), dtype=f32, device=dev)
-    inv = torch.empty((b, heads, span), dtype=f32, device=dev) if redundancy else stats
-    total = torch.empty((b, heads, dim), dtype=f32, device=dev) if redundancy else stats
+    # The key pass cuts each row's keys into chunks, so that a batch of few rows still fills the GPU.
+    chunks = max(1, min(_KEY_CHUNKS, triton.cdiv(span, _KEY_CHUNK)))
+    chunk = triton.cdiv(triton.cdiv(span, chunks), _KEY_BLOCK) * _KEY_BLOCK
+    chunks = triton.cdiv(span, chunk)
+    parts = torch.empty((2, b * heads, chunks, rows), dtype=f32, device=dev)
+    inv = torch.empty((b, heads, span), dtype=f32, device=dev) if redundancy else parts
+    total = torch.empty((b * heads, chunks, dim), dtype=f32, device=dev) if redundancy else parts
     common = dict(G=group, W=window, R=rows, D=dim, REDUNDANCY=redundancy, PRECISION=_precision(keys.dtype))
     strides = (*keys.stride()[:3], *queries.stride()[:3])
     scale = dim ** -0.5
-    _key_pass_kernel[(b * heads,)](keys, lengths, queries, stats[0], stats[1], inv, total, q_next, scale,
-                                   *strides, span, heads, BLOCK=64, num_warps=4, **common)
+    _key_pass_kernel[(b * heads, chunks)](keys, lengths, queries, parts[0], parts[1], inv, total, q_next,
+                                          scale, *strides, span, heads, chunk, BLOCK=_KEY_BLOCK, num_warps=4,
+                                          **common)
+    # The chunks merged: each query's softmax maximum over them and its sum rescaled to it (a chunk
+    # with no key it sees holds -inf and 0).
+    if chunks == 1:
+        stats, total = parts[:, :, 0], total[:, 0] if redundancy else total
+    else:
+        m = parts[0].amax(dim=1)
+        rescale = (parts[0] - m.nan_to_num(neginf=0.0)[:, None]).exp_()
+        stats = torch.stack((m, (parts[1] * rescale).sum(dim=1)))
+        total = total.sum(dim=1) if redundancy else total
     latest = column = value = None
     if threshold is not None:
         latest = torch.full((b, heads, span), -1, dtype=torch.int32, device=dev)
@@ -454,10 +482,10 @@ def key_scores(keys: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
             PRECISION=_precision(keys.dtype), num_warps=4, num_stages=2)
         column, value = torch.empty_like(inv), torch.empty_like(inv)
     importance = torch.empty((b, heads, span), dtype=f32, device=dev)
-    _key_scores_kernel[(b * heads, -(-span // 64))](
+    _key_scores_kernel[(b * heads, -(-span // _SCORES_BLOCK))](
         keys, lengths, queries, stats[0], stats[1], inv, total, latest if latest is not None else stats,
         importance, column if column is not None else stats, value if value is not None else stats, q_next,
-        scale, *strides, span, heads, BLOCK=64, num_warps=4, **common)
+        scale, *strides, span, heads, BLOCK=_SCORES_BLOCK, num_warps=4, **common)
     return KeyScores(importance, column, latest, value)
 
 
