@@ -40,9 +40,9 @@ _WARPS, _STAGES = 8, 2
 
 
 # Compression's key pass: at most _KEY_CHUNKS programs per (row, KV head), each over about
-# _KEY_CHUNK keys in tiles of _KEY_BLOCK (one program per row and head left a batch-8 cache's pass
-# latency-bound: 28 layers of R-KV scores 4.5 -> 4.0 ms, batch 59 at 1.7B 42.5 -> 40 ms, on an H100);
-# the scores pass takes _SCORES_BLOCK keys a program.
+# _KEY_CHUNK keys in tiles of _KEY_BLOCK: one program per row and head left the pass latency-bound
+# (bench/results/key-pass-sweep-h100.json: 28 layers of R-KV scores at batch 8 4.5 -> 4.0 ms, at 1.7B
+# batch 59 51 -> 41 ms). The scores pass takes _SCORES_BLOCK keys a program.
 _KEY_CHUNK, _KEY_CHUNKS = 256, 16
 _KEY_BLOCK = 64
 _SCORES_BLOCK = 64
