@@ -54,6 +54,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import Qwen3ForCausalLM
 
+from bench import cuda_ms
 from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
 from services.rollout.engine.config import layer_budgets
 from services.rollout.engine.kv_cache import KVCache, layer_capacities
@@ -154,13 +155,17 @@ def stored_tokens_read(prompt: int, gen: int, kv: KVConfig, layers: int) -> floa
         return prompt + gen / 2
     protected = prompt if kv.keep_prompt else 0
     keep = [protected + budget for budget in layer_budgets(kv, layers)]
-    held = [min(prompt, k) if any(prompt >= k + kv.buffer for k in keep) else prompt for k in keep]
+
+    def compressed(held: list[int]) -> list[int]:
+        if any(n >= k + kv.buffer for n, k in zip(held, keep, strict=True)):
+            return [min(n, k) for n, k in zip(held, keep, strict=True)]
+        return held
+
+    held = compressed([prompt] * layers)  # the prefill is checked too
     total = 0
     for _ in range(gen - 1):
         total += sum(held) + layers
-        held = [n + 1 for n in held]
-        if any(n >= k + kv.buffer for n, k in zip(held, keep, strict=True)):
-            held = [min(n, k) for n, k in zip(held, keep, strict=True)]
+        held = compressed([n + 1 for n in held])
     return total / ((gen - 1) * layers)
 
 
@@ -168,13 +173,9 @@ def read_bandwidth(device: torch.device) -> float:
     """Bytes per second the device reads in one large reduction (what a bandwidth-bound step can
     at best stream), from 2 GiB of bf16."""
     x = torch.ones(1 << 30, dtype=torch.bfloat16, device=device)
-    x.sum(dtype=torch.float32)
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(5):
-        x.sum(dtype=torch.float32)
-    _sync(device)
-    return 5 * x.numel() * x.element_size() / (time.perf_counter() - start)
+    with torch.cuda.device(device):
+        ms = cuda_ms(lambda: x.sum(dtype=torch.float32), repeats=5)
+    return x.numel() * x.element_size() / (ms / 1000)
 
 
 def with_bandwidth_limit(row: dict[str, Any], weight_bytes: int, kv_bytes_per_token: int, prompt: int,
