@@ -463,13 +463,10 @@ def key_scores(keys: torch.Tensor, lengths: torch.Tensor, queries: torch.Tensor,
                                           **common)
     # The chunks merged: each query's softmax maximum over them and its sum rescaled to it (a chunk
     # with no key it sees holds -inf and 0).
-    if chunks == 1:
-        stats, total = parts[:, :, 0], total[:, 0] if redundancy else total
-    else:
-        m = parts[0].amax(dim=1)
-        rescale = (parts[0] - m.nan_to_num(neginf=0.0)[:, None]).exp_()
-        stats = torch.stack((m, (parts[1] * rescale).sum(dim=1)))
-        total = total.sum(dim=1) if redundancy else total
+    m = parts[0].amax(dim=1)
+    rescale = (parts[0] - m.nan_to_num(neginf=0.0)[:, None]).exp_()
+    stats = torch.stack((m, (parts[1] * rescale).sum(dim=1)))
+    total = total.sum(dim=1) if redundancy else total
     latest = column = value = None
     if threshold is not None:
         latest = torch.full((b, heads, span), -1, dtype=torch.int32, device=dev)
