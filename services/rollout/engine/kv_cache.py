@@ -49,6 +49,14 @@ def _layer_buffers(batch: int, heads: int, capacities: Sequence[int], head_dim: 
     return views
 
 
+def _layer_lengths(num_layers: int, batch: int, device: torch.device) -> torch.Tensor:
+    """Zeroed per-layer, per-row lengths [num_layers, batch] (int64), each layer's row starting on
+    16 bytes: Triton specialises a pointer argument on 16-byte alignment, so with an odd batch the
+    odd layers' rows would compile every kernel that reads them a second time (on a fresh H100 3.7 s
+    inside the first compression at 1.7B batch 59, and more at its graphs' capture)."""
+    return torch.zeros((num_layers, batch + batch % 2), dtype=torch.long, device=device)[:, :batch]
+
+
 class StaticStorage:
     """What a static cache allocates, and the graph-safe operations of a captured decode step.
 
@@ -68,7 +76,7 @@ class StaticStorage:
                                      device=device)
         self.q_window = (torch.zeros((num_layers, batch, num_heads, window, head_dim), dtype=dtype,
                                      device=device) if window else None)
-        self.lengths = torch.zeros((num_layers, batch), dtype=torch.long, device=device)
+        self.lengths = _layer_lengths(num_layers, batch, device)
         self.q_next = torch.zeros(1, dtype=torch.long, device=device)
         self.attn_buffers = kernels.attention_buffers(batch, num_heads, capacity, head_dim, device)
 
@@ -170,7 +178,7 @@ class KVCache:
         self._limits = [0] * batch  # lengths[r] at which some layer of row r holds budget + buffer
         # Per layer and row, on the device (a static cache: a view of the storage's).
         self.lengths_t = (storage.lengths[:, :batch] if storage is not None
-                          else torch.zeros((num_layers, batch), dtype=torch.long, device=device))
+                          else _layer_lengths(num_layers, batch, device))
         # CUDA moves the kept slots with one Triton kernel (no accumulators to move along).
         self._compact_in_place = device.type == "cuda" and kernels.available() and self.attn_acc is None
 
@@ -221,14 +229,15 @@ class KVCache:
             # Rows past the live batch in a padded graph bucket start over.
             self.storage.lengths[:, batch:] = 0
         else:
-            self.lengths_t = values
+            self.lengths_t = _layer_lengths(self.num_layers, batch, self.device)
+            self.lengths_t.copy_(values)
 
     def advance(self) -> None:
         """One decode step was stored in every layer of every row (attention.CacheAttention wrote it;
         for a static cache the captured step advanced the device side, StaticStorage.advance)."""
         self.lengths = [n + 1 for n in self.lengths]
         if not self.static:
-            self.lengths_t = self.lengths_t + 1
+            self.lengths_t += 1  # in place: a new tensor would lose the rows' alignment
         if self.q_window is not None:
             self.q_next = (self.q_next + 1) % self.kv.window
 

@@ -346,3 +346,24 @@ def test_static_storage_keeps_the_eager_cache_and_is_reusable(spread: str) -> No
                 assert torch.equal(got.v[layer][row, :, :n], want.v[layer][row, :, :n])
                 assert torch.equal(got.positions[layer, row, :, :n], want.positions[layer, row, :, :n])
                 assert got.k[layer].data_ptr() == storage.k[layer].data_ptr()  # views of the storage
+
+
+def test_layer_lengths_start_on_16_bytes_with_an_odd_batch() -> None:
+    """Triton specialises pointers on 16-byte alignment: every layer's row of per-row lengths must
+    start on 16 bytes whatever the batch, or an odd batch compiles every kernel reading them twice."""
+    layers, prompts = 4, [5, 9, 4]
+    kv = KVConfig(policy="rkv", budget=12, buffer=5, window=4)
+
+    def aligned(lengths: torch.Tensor, want: list[list[int]]) -> None:
+        assert [lengths[layer].data_ptr() % 16 for layer in range(layers)] == [0] * layers
+        assert lengths.tolist() == want
+
+    cache = _drive(kv, prompts, 30, layers=layers)  # prefill, decode steps and compressions
+    aligned(cache.lengths_t, [cache.layer_lengths(layer) for layer in range(layers)])
+    cache.select_rows([0])
+    aligned(cache.lengths_t, [cache.layer_lengths(layer) for layer in range(layers)])
+    storage = StaticStorage(num_layers=layers, batch=3, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
+                            capacities=[32] * layers, window=kv.window, dtype=torch.float32,
+                            device=torch.device("cpu"))
+    storage.advance(3)
+    aligned(storage.lengths, [[1, 1, 1]] * layers)
