@@ -133,9 +133,9 @@ def full_cache(
 
 def compression_ms(engine: LLMEngine, batch: int, prompt: int, gen: int, kv: KVConfig) -> float:
     """Time of one compression of a full cache (`full_cache`): the median of three after one that
-    compiles the Triton kernels. Not through _timed, whose empty_cache made every compression
-    allocate its buffers anew, as a running engine does not (one timing at 1.7B batch 16 read
-    108 ms against 22 ms before). Its share of a decode step is this over `kv.buffer` steps."""
+    compiles the Triton kernels. At small batches a compression is bound by the host's launches
+    and one timing can be 2-3x the others (115 ms among 37-45 ms at 1.7B batch 16 on an H100).
+    Its share of a decode step is this over `kv.buffer` steps."""
     engine.release_decode_state()
     cache, fill = full_cache(engine, batch, prompt, gen, kv)
     times = []
