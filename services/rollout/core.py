@@ -49,7 +49,10 @@ def load_engine(settings: RolloutSettings, model_dir: Path) -> Engine:
         return VLLMEngine.from_pretrained(model_dir, device=settings.resolved_device(), dtype=dtype)
     from services.rollout.engine import LLMEngine
 
-    return LLMEngine.from_pretrained(model_dir, device=settings.resolved_device(), dtype=dtype)
+    engine = LLMEngine.from_pretrained(model_dir, device=settings.resolved_device(), dtype=dtype)
+    if engine.dtype != dtype:
+        log.info("generation computes in %s: this CPU has no native %s products", engine.dtype, dtype)
+    return engine
 
 
 @dataclass

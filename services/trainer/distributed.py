@@ -183,7 +183,7 @@ class DistributedLearner(Learner):
         self, model: torch.nn.Module, frozen: torch.nn.Module | None
     ) -> tuple[torch.nn.Module, torch.nn.Module | None]:
         mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        policy = mixed if self.settings.bf16_autocast else MixedPrecisionPolicy()
+        policy = mixed if self.bf16 else MixedPrecisionPolicy()
         return _shard(model.to(self.device), policy), None if frozen is None else _shard(
             frozen.to(self.device), MixedPrecisionPolicy()
         )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,9 +33,12 @@ from services.trainer.evaluation import evaluate
 from services.trainer.loss import Corrections, grpo_advantages, grpo_loss, sparse_rl_corrections
 from services.trainer.rollout_math import token_logprobs
 from services.trainer.settings import TrainerSettings
+from shared.dtypes import compute_dtype
 from shared.patch import dense_bytes, extract_patch, fingerprint
 from shared.schemas import Trajectory
 from shared.tasks import Task
+
+log = logging.getLogger(__name__)
 
 # Correction metrics reported per staleness (trainer version − sampling version): with staleness
 # > 0, ξ mixes weight lag with KV sparsity, so the two are only comparable split this way.
@@ -84,15 +88,22 @@ class Learner:
         self.settings = settings
         self.device = self._device()
         self.pad_id = pad_id
+        # bf16 autocast where the device multiplies bf16 natively; a CPU that only emulates it
+        # (AVX2: ~30x slower than fp32) computes in fp32, as the rollout engine does there.
+        self.bf16 = settings.bf16_autocast and compute_dtype(self.device, torch.bfloat16) == torch.bfloat16
+        if settings.bf16_autocast and not self.bf16:
+            log.info("bf16 autocast off: this CPU has no native bf16 matrix products (fp32 compute)")
         torch.manual_seed(settings.seed)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         model.config.use_cache = False
         if settings.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # The KL anchor: the starting weights (the warm start), frozen, in the dtype they were saved in.
+        # The KL anchor: the starting weights (the warm start), frozen, in the dtype they were saved in
+        # (upcast, exactly, where that dtype is only emulated).
         frozen = None
         if settings.loss.kl_coef > 0:
             frozen = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+            frozen.to(compute_dtype(self.device, frozen.dtype))
             frozen.requires_grad_(False)
         self.model, self.ref_model = self._prepare(model, frozen)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr,
@@ -239,7 +250,7 @@ class Learner:
         return torch.cat(parts)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if not self.settings.bf16_autocast:
+        if not self.bf16:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 

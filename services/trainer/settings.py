@@ -44,6 +44,7 @@ class TrainerSettings(ModelServiceSettings):
     ppo_updates: int = Field(default=4, ge=1)
     collect_timeout_s: float = Field(default=600.0, gt=0, description="step with what arrived after this")
     max_steps: int = Field(default=0, ge=0, description="0 = train until stopped")
+    # Compute in bf16 (fp32 master weights); a CPU without native bf16 products computes in fp32.
     bf16_autocast: bool = True
     # Recompute each decoder layer's activations in the backward pass instead of keeping them:
     # less memory for longer sequences or bigger micro-batches, about a third more compute.

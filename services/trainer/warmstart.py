@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from services.trainer.evaluation import evaluate
+from shared.dtypes import compute_dtype
 from shared.modeling import qwen3_config
 from shared.tasks import Task, get_task
 from shared.tokenizer import build_tokenizer, char_vocab
@@ -227,7 +228,8 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
                 break
     train_s = time.perf_counter() - started
 
-    model = model.to(torch.bfloat16)
+    # The saved weights are bf16; scored in fp32 where this CPU only emulates bf16 (exact both ways).
+    model = model.to(torch.bfloat16).to(compute_dtype(device, torch.bfloat16))
     metrics = {}
     if recipe.eval_prompts:
         held_out = {
@@ -236,7 +238,7 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
         metrics = {name: evaluate(model, tokenizer, tasks[name], held_out[name], sample=False)
                    | {"sampled": evaluate(model, tokenizer, tasks[name], held_out[name], sample=True)}
                    for name in sorted(tasks)}
-    model = model.cpu()
+    model = model.to(torch.bfloat16).cpu()
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,

@@ -19,6 +19,7 @@ graphs read the new weights without a new capture. `release_decode_state()` free
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from services.rollout.engine.policies import POLICIES
 from services.rollout.engine.sampler import sample
 from services.rollout.engine.sequence import Sequence
 from services.rollout.models.decoder import DecoderLM, load_pretrained
+from shared import dtypes as shared_dtypes
 
 # Steps between reads of stop-token hits (each read waits for the device's queue to drain).
 FINISH_CHECK_STEPS = 8
@@ -48,16 +50,25 @@ class LLMEngine:
     name = "native"
 
     def __init__(self, model_or_config: DecoderLM | PretrainedConfig, *, device: str | torch.device = "cpu",
-                 dtype: torch.dtype | None = None, cuda_graphs: bool | None = None) -> None:
+                 dtype: torch.dtype | None = None, cuda_graphs: bool | None = None,
+                 compute_dtype: torch.dtype | None = None) -> None:
         """Wrap a DecoderLM, or build one with random weights from a transformers config (tests, benchmarks).
 
-        cuda_graphs: decode through CUDA graphs (default: on a CUDA device where Triton is installed)."""
+        cuda_graphs: decode through CUDA graphs (default: on a CUDA device where Triton is installed).
+        compute_dtype: what generation computes and caches K/V in (default: the weights' dtype, or
+        fp32 on a CPU that only emulates bf16/fp16 products, shared.dtypes.compute_dtype)."""
         model = model_or_config if isinstance(model_or_config, DecoderLM) else DecoderLM(model_or_config)
         if dtype is not None:
             model = model.to(dtype)
         self.model = model.to(device).eval().requires_grad_(False)
         self.device = torch.device(device)
         self.config = self.model.config
+        weights = self.model.model.embed_tokens.weight.dtype
+        compute = compute_dtype or shared_dtypes.compute_dtype(self.device, weights)
+        # The weights (state_dict(), patched in place, fingerprinted) keep their dtype; generation
+        # runs on a copy in the compute dtype where that differs, kept equal by weights_updated()
+        # (bf16 weights and an fp32 copy: 3x the bf16 weights' memory).
+        self.runner = self.model if compute == weights else copy.deepcopy(self.model).to(compute)
         graphs_possible = self.device.type == "cuda" and kernels.available()
         if cuda_graphs and not graphs_possible:
             raise ValueError("cuda_graphs needs a CUDA device and Triton")
@@ -65,7 +76,7 @@ class LLMEngine:
         if self.cuda_graphs:
             # Now, not at the first generate: state_dict() hands out the fused buffers' views from
             # the start, so no caller can hold a tensor that stops being the live weight.
-            fuse_projections(self.model)
+            fuse_projections(self.runner)
         # Allocated KV bytes of the last batch (the cache itself, not per sequence): for benchmarks.
         self.last_batch_kv_bytes = 0
         # The static cache storage and graphs kept between calls, with the parameters' addresses
@@ -81,14 +92,22 @@ class LLMEngine:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.model.embed_tokens.weight.dtype
+        """What generation computes and caches K/V in."""
+        return self.runner.model.embed_tokens.weight.dtype
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Live HF-named weights (keys as in the HF model's save_pretrained); patches apply in place."""
         return self.model.hf_state_dict()
 
     def weights_updated(self, names: set[str]) -> None:
-        """Nothing to do: generation reads the state_dict tensors directly."""
+        """Copy the changed weights into the compute copy, if there is one (without, generation reads
+        the state_dict tensors directly)."""
+        if self.runner is self.model:
+            return
+        weights, compute = self.model.hf_state_dict(), self.runner.hf_state_dict()
+        with torch.no_grad():
+            for name in names:
+                compute[name].copy_(weights[name])
 
     def release_decode_state(self) -> None:
         """Free the kept static cache and its graphs (the next CUDA-graph call allocates and captures)."""
@@ -96,12 +115,12 @@ class LLMEngine:
 
     def _weight_addresses(self) -> tuple[int, ...]:
         """Where every parameter and buffer lives: a graph reads them at these addresses."""
-        return tuple(t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers()))
+        return tuple(t.data_ptr() for t in (*self.runner.parameters(), *self.runner.buffers()))
 
     def _static_decode(self, batch: int, capacities: list[int],
                        kv: KVConfig) -> tuple[StaticStorage, DecodeGraphs]:
         """The kept storage and graphs if this batch fits them (zeroed), else new ones."""
-        m = self.model
+        m = self.runner
         window = kv.window if POLICIES[kv.policy].uses_query_window else None
         layout = (m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, self.dtype)
         weights = self._weight_addresses()
@@ -119,7 +138,7 @@ class LLMEngine:
         return self._decode
 
     def kv_bytes_per_token(self) -> int:
-        m = self.model
+        m = self.runner
         return 2 * m.num_layers * m.num_kv_heads * m.head_dim * torch.finfo(self.dtype).bits // 8
 
     def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
@@ -136,7 +155,7 @@ class LLMEngine:
     def _generate(
         self, prompts: list[list[int]], params: SamplingParams, kv: KVConfig
     ) -> list[GenerationOutput]:
-        dev, model = self.device, self.model
+        dev, model = self.device, self.runner
         lengths = [len(p) for p in prompts]
         batch, width, max_new = len(prompts), max(lengths), params.max_new_tokens
         seqs = [Sequence(i, n) for i, n in enumerate(lengths)]

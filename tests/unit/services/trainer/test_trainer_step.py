@@ -193,3 +193,23 @@ def test_heldout_evaluation_is_repeatable_and_reported_on_schedule(
     trajectories = _trajectories(vocab=90)
     assert "heldout_accuracy" not in trainer.train_step(trajectories)  # step 1
     assert "heldout_accuracy" in trainer.train_step(trajectories)  # step 2
+
+
+def test_cpu_that_emulates_bf16_trains_in_fp32(tiny_model_dir: str, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where shared.dtypes finds bf16 products only emulated, autocast is off whatever the setting
+    says, the bf16-saved KL reference is upcast (exactly), and a step still trains."""
+    import services.trainer.learner as learner_module
+
+    monkeypatch.setattr(learner_module, "compute_dtype", lambda device, dtype: torch.float32)
+    learner = _learner(tiny_model_dir, tmp_path, loss={"kl_coef": 0.1})
+    assert learner.settings.bf16_autocast and not learner.bf16
+    with learner._autocast():
+        assert not torch.is_autocast_enabled("cpu")
+    assert learner.ref_model is not None
+    assert {p.dtype for p in learner.ref_model.parameters()} == {torch.float32}
+    saved = {n: p.float() for n, p in
+             type(learner.ref_model).from_pretrained(tiny_model_dir).named_parameters()}
+    assert all(torch.equal(p, saved[n]) for n, p in learner.ref_model.named_parameters())
+    metrics = learner.train_step(_trajectories(vocab=learner.model.config.vocab_size))
+    assert math.isfinite(metrics["loss"])

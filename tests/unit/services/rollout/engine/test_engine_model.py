@@ -94,3 +94,26 @@ def test_patch_in_place_changes_generation_at_once() -> None:
     assert before.token_ids != [0] * 8
     assert after.token_ids == [0] * 8
     assert after.logprobs == pytest.approx([-math.log(VOCAB)] * 8, abs=1e-5)
+
+
+def test_emulated_dtype_generates_on_an_fp32_copy_that_follows_the_weights() -> None:
+    """bf16 weights computed in fp32 (what a CPU without native bf16 gets): the state stays bf16
+    (patches and fingerprints), generation equals an fp32 engine over the same values, and a patch
+    reaches generation through weights_updated."""
+    engine = LLMEngine(tiny_config("qwen3"), dtype=torch.bfloat16, compute_dtype=torch.float32)
+    assert {t.dtype for t in engine.state_dict().values()} == {torch.bfloat16}
+    assert engine.dtype == torch.float32
+    reference = LLMEngine(DecoderLM(tiny_config("qwen3")), compute_dtype=torch.float32)
+    with torch.no_grad():
+        for name, tensor in reference.state_dict().items():
+            tensor.copy_(engine.state_dict()[name])
+    for params in (SamplingParams(temperature=0.0, max_new_tokens=8),
+                   SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)):
+        kv = KVConfig(policy="rkv", budget=4, buffer=2, window=2)
+        got, want = (e.generate([[1, 2, 3], [4, 5]], params, kv) for e in (engine, reference))
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert [o.logprobs for o in got] == [o.logprobs for o in want]
+    engine.state_dict()["model.norm.weight"].zero_()
+    engine.weights_updated({"model.norm.weight"})
+    after = engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=8), KVConfig())[0]
+    assert after.token_ids == [0] * 8
