@@ -8,8 +8,8 @@ collective (FSDP's all-gathers and reduce-scatters, the sums below) is entered b
 the same order. Rank 0 alone gets the results.
 
 - Weights: each decoder layer and the root are sharded on dim 0 (fp32 master, AdamW state
-  sharded with it); with bf16_autocast, compute in bf16 (`MixedPrecisionPolicy(param_dtype=bf16,
-  reduce_dtype=fp32)`).
+  sharded with it); with bf16_autocast on a device with native bf16, compute in bf16
+  (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`).
 - The update equals the single-process one on the same batch: every rank collates the whole
   batch, recomputes the old-policy log-probs of its share of the sequences (all-gathered), takes
   its share of every minibatch, and divides its summed loss by the minibatch's kept-token (or
