@@ -43,6 +43,11 @@ def view(o: DemoOptions, status: dict[str, Any], history: list[dict[str, Any]], 
                  workers_table(workers, status.get("version")))
 
 
+# The demo's documented runs veto 38-51 % of their sequences and learn; at 67-98 % they did not
+# (bench/results/demo-cpu-avx512bf16.json): the summary then says why the batches stay flat.
+MOSTLY_VETOED = 0.65
+
+
 def summary(o: DemoOptions, f: dict[str, Any], dashboard: str, log_dir: Path) -> Table:
     """The closing table of what the run did (`f`: Demo.figures)."""
     table = Table(title="sparsecast demo: summary", title_justify="left")
@@ -74,6 +79,11 @@ def summary(o: DemoOptions, f: dict[str, Any], dashboard: str, log_dir: Path) ->
                   f"{' + the prompt' if o.kv_keep_prompt else ', prompt included'})")
     table.add_row("corrections: sequences vetoed / tokens masked",
                   f"{pct(f['rejection_rate'])} / {pct(f['token_mask_rate'])}")
+    if (f["rejection_rate"] or 0.0) >= MOSTLY_VETOED:
+        table.add_row("[yellow]note[/]",
+                      "most batches were vetoed: under this cache the sampler writes tokens the dense "
+                      "policy rejects, and little is left to learn from; a larger --kv-budget keeps more "
+                      "(docs/training.md, \"On another machine: the warm start decides\")")
     for name, w in f["workers"].items():
         table.add_row(f"worker {name}", f"serving v{w['version']}"
                       + (f", {w['tokens_per_s']:.0f} tokens/s" if w["tokens_per_s"] else ""))
