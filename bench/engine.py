@@ -141,11 +141,7 @@ def compression_ms(engine: LLMEngine, batch: int, prompt: int, gen: int, kv: KVC
     times = []
     for _ in range(4):
         fill()
-        _sync(engine.device)
-        start = time.perf_counter()
-        cache.compress()
-        _sync(engine.device)
-        times.append(time.perf_counter() - start)
+        times.append(_timed(engine.device, cache.compress)[1])
     del cache
     return round(1000 * statistics.median(times[1:]), 3)
 
