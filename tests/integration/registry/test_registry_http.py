@@ -218,10 +218,15 @@ async def test_client_resumes_from_verified_pieces(url: str, chain: Chain, tmp_p
         await client.publish_snapshot(0, chain.snapshot(0))
     size = len(chain.snapshot(0))
     cache = tmp_path / "cache"
-    # ~1.3 s at 1 Mbit/s: cancelled part-way, the verified pieces stay in the cache.
+    # ~1.3 s at 1 Mbit/s: cancelled once a first piece is verified (not after a fixed sleep, which
+    # on a slow machine came before any byte), the verified pieces stay in the cache.
     async with RegistryClient(url, RUN, streams=2, bandwidth_bps=1e6, cache_dir=cache) as slow:
         task = asyncio.create_task(sync_weights(slow, {}, None))
-        await asyncio.sleep(0.6)
+        deadline = asyncio.get_running_loop().time() + 30
+        while slow.counters.pieces == 0 and not task.done():
+            assert asyncio.get_running_loop().time() < deadline, "no piece verified in 30 s"
+            await asyncio.sleep(0.01)
+        assert not task.done(), "the throttled download finished before it could be cancelled"
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
