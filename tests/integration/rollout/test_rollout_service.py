@@ -7,9 +7,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from services.rollout.app import create_app
 from services.rollout.settings import RolloutSettings
+from shared.dtypes import compute_dtype
 from tests.conftest import serve_app
 
 POLICIES = ["dense", "streaming", "snapkv", "h2o", "rkv"]
@@ -37,10 +39,12 @@ def _kv_stats(prompt_len: int, max_tokens: int, budget: int, buffer: int, sparse
 
 
 def _bytes_per_token(model_dir: str) -> int:
-    """K and V bytes of one token over all layers and KV heads (bf16)."""
+    """K and V bytes of one token over all layers and KV heads, in the dtype the engine computes in:
+    bf16, or fp32 on a CPU that only emulates bf16 (shared.dtypes)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2
+    width = compute_dtype(torch.device("cpu"), torch.bfloat16).itemsize
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * width
 
 
 @pytest.mark.parametrize("policy", POLICIES)
