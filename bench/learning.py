@@ -45,7 +45,8 @@ import torch
 from pydantic import BaseModel, Field
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
+from services.rollout.calibration import calibrate, evaluate, generate
+from services.rollout.engine import KVConfig, LLMEngine
 from services.rollout.worker import score_samples
 from services.trainer.learner import Learner
 from services.trainer.loss import CorrectionConfig, LossConfig
@@ -56,7 +57,6 @@ from shared.tasks import Task, get_task
 
 RESULTS = Path(__file__).resolve().parent / "results"
 EVAL_SEED = 990_001  # held-out prompts: one fixed set for every arm, seed and evaluation
-CALIBRATION_SEED = 990_002
 TRAIN_SEED_STRIDE = 1_000_003  # prompts of step t for seed s: seed s * stride + t
 
 OFF = CorrectionConfig(sequence_veto=False, token_mask=False, token_weight=False)
@@ -94,7 +94,7 @@ class LearningConfig(BaseModel):
     kv_buffer: int = 16
     keep_prompt: bool = True
     calibration_prompts: int = 512
-    target_ratio: tuple[float, float] = (0.4, 0.7)
+    min_kv_ratio: float = 0.5  # the budget keeps at least this share of the dense accuracy
     eval_every: int = 25
     eval_prompts: int = 1000
     eval_batch: int = 1000
@@ -141,47 +141,6 @@ def sync_weights(learner: Learner, engine: LLMEngine) -> None:
     live = engine.state_dict()
     for name, tensor in learner.published_state().items():
         live[name].copy_(tensor)
-
-
-def generate(
-    engine: LLMEngine,
-    tokenizer: PreTrainedTokenizerBase,
-    task: Task,
-    prompts: list[str],
-    samples: int,
-    kv: KVConfig,
-    temperature: float,
-    seed: int,
-    batch: int,
-) -> list[tuple[list[int], list]]:
-    """(prompt ids, outputs) per prompt, `samples` outputs each, in engine batches of ≤ `batch` sequences."""
-    ids = [tokenizer(p).input_ids for p in prompts]
-    per_batch = max(1, batch // samples)
-    out = []
-    for start in range(0, len(ids), per_batch):
-        chunk = ids[start:start + per_batch]
-        params = SamplingParams(temperature=temperature, max_new_tokens=task.max_new_tokens,
-                                stop_token_ids=(tokenizer.eos_token_id,), seed=seed + start)
-        outputs = engine.generate([p for p in chunk for _ in range(samples)], params, kv)
-        out += [(p, outputs[i * samples:(i + 1) * samples]) for i, p in enumerate(chunk)]
-    return out
-
-
-def evaluate(engine: LLMEngine, tokenizer: PreTrainedTokenizerBase, task: Task, pairs: list[tuple[str, str]],
-             kv: KVConfig, temperature: float, batch: int) -> dict[str, float]:
-    results = generate(engine, tokenizer, task, [p for p, _ in pairs], 1, kv, temperature, EVAL_SEED, batch)
-    rewards, correct, lengths, peak, total = [], [], [], 0, 0
-    for (prompt_ids, outputs), (_, answer) in zip(results, pairs, strict=True):
-        out = outputs[0]
-        reward, ok = task.reward(tokenizer.decode(out.token_ids, skip_special_tokens=True), answer)
-        rewards.append(reward)
-        correct.append(ok)
-        lengths.append(len(out.token_ids))
-        peak += out.kv.peak_tokens
-        total += len(prompt_ids) + len(out.token_ids)
-    n = len(pairs)
-    return {"accuracy": sum(correct) / n, "reward": sum(rewards) / n, "length": sum(lengths) / n,
-            "kv_saved": 1 - peak / total}
 
 
 def eval_modes(budget: int, cfg: LearningConfig) -> dict[str, KVConfig]:
@@ -248,7 +207,7 @@ def run_arm(cfg: LearningConfig, arm: str, seed: int, model_dir: Path, budget: i
                         "step": step,
                         "modes": {
                             f"{name}_{label}": evaluate(
-                                engine, tokenizer, task, held_out, kv, temperature, cfg.eval_batch
+                                engine, tokenizer, task, held_out, kv, temperature, cfg.eval_batch, EVAL_SEED
                             )
                             for name, kv in modes.items()
                             for label, temperature in (("greedy", 0.0), ("t1", 1.0))
@@ -273,24 +232,15 @@ def run_arm(cfg: LearningConfig, arm: str, seed: int, model_dir: Path, budget: i
 # -- calibration, orchestration, criteria --
 
 
-def calibrate(cfg: LearningConfig, model_dir: Path) -> tuple[int, list[dict[str, float]]]:
-    """The budget whose sparse/dense T = 1 accuracy ratio is nearest the middle of the target."""
+def calibrate_budget(cfg: LearningConfig, model_dir: Path) -> tuple[int, list[dict[str, float]]]:
+    """The tightest of `kv_budgets` that keeps `min_kv_ratio` of the dense T = 1 accuracy (all tried)."""
     engine = LLMEngine.from_pretrained(model_dir, device=cfg.device, dtype=torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    task = cfg.task()
-    pairs = task.make_prompts(cfg.calibration_prompts, seed=CALIBRATION_SEED)
-    dense = evaluate(engine, tokenizer, task, pairs, KVConfig(policy="dense"), 1.0, cfg.eval_batch)
-    rows = [{"budget": 0, "policy": "dense", **dense}]
-    for budget in cfg.kv_budgets:
-        sparse = evaluate(
-            engine, tokenizer, task, pairs, eval_modes(budget, cfg)["sparse"], 1.0, cfg.eval_batch
-        )
-        ratio = sparse["accuracy"] / dense["accuracy"] if dense["accuracy"] else 0.0
-        rows.append({"budget": budget, "policy": "rkv", **sparse, "ratio": ratio})
-    low, high = cfg.target_ratio
-    middle = (low + high) / 2
-    best = min(rows[1:], key=lambda r: (not low <= r["ratio"] <= high, abs(r["ratio"] - middle)))
-    return int(best["budget"]), rows
+    kv = eval_modes(cfg.kv_budgets[0], cfg)["sparse"]
+    result = calibrate(engine, tokenizer, cfg.task(), kv, cfg.kv_budgets, cfg.min_kv_ratio,
+                       cfg.calibration_prompts, batch=cfg.eval_batch, stop_at_first=False)
+    rows = [{"budget": 0, "policy": "dense", **result.dense}] + [{"policy": "rkv", **r} for r in result.rows]
+    return result.budget, rows
 
 
 def _mean(values: list[float]) -> float:
@@ -396,7 +346,7 @@ def run(cfg: LearningConfig, arms: list[str], seeds: list[int], cache: Path, out
     warm = json.loads((model_dir / "warmstart.json").read_text())
     print(f"warm start {model_dir.name}: {warm['steps_done']} SFT steps, eval {warm['eval']}", flush=True)
     if cfg.kv_budget is None:
-        budget, calibration = calibrate(cfg, model_dir)
+        budget, calibration = calibrate_budget(cfg, model_dir)
     else:
         budget, calibration = cfg.kv_budget, []
     print(f"KV budget {budget} (calibration {calibration})", flush=True)

@@ -9,9 +9,12 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
+
+from tests.paths import REPO_ROOT
 
 # Tests run beside other work on small machines: keep torch from oversubscribing the cores.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -104,3 +107,13 @@ def build_tiny_model_dir(path, seed: int = 0, **overrides) -> str:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def warmstart_dir() -> Path:
+    """The demo's warm-start model, built once per checkout (a few minutes on 2 cores) and cached."""
+    from services.trainer.warmstart import ensure_warmstart_model
+
+    return ensure_warmstart_model(
+        Path(os.environ.get("SPARSECAST_WARMSTART_CACHE", REPO_ROOT / ".cache" / "warmstart"))
+    )

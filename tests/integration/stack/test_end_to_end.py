@@ -5,12 +5,10 @@ the trainer's at each version."""
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from services.registry.app import create_app as create_registry
 from services.registry.settings import RegistrySettings
@@ -19,7 +17,6 @@ from services.rollout.settings import RolloutSettings
 from services.trainer.app import create_app as create_trainer
 from services.trainer.loss import LossConfig
 from services.trainer.settings import TrainerSettings
-from services.trainer.warmstart import ensure_warmstart_model
 from shared.coord import CoordSettings
 from shared.tasks import get_task
 from tests.conftest import serve_app
@@ -44,13 +41,6 @@ LR = 5e-5
 KV_BUDGET = 32
 KV_BUFFER = 8
 PROMPT_SEED = 1234
-
-
-@pytest.fixture(scope="session")
-def warmstart_dir() -> Path:
-    return ensure_warmstart_model(
-        Path(os.environ.get("SPARSECAST_WARMSTART_CACHE", ROOT / ".cache" / "warmstart"))
-    )
 
 
 def run_training(
