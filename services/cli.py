@@ -262,7 +262,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         steps=args.steps, workers=args.workers, kv_policy=args.kv_policy, kv_budget=args.kv_budget,
         groups_per_step=args.groups, samples_per_prompt=args.samples, keep_running=args.keep_running,
         folder=Path(args.dir), model=args.model, lr=args.lr, token=args.token, device=args.device,
-        kv_buffer=args.kv_buffer, kv_keep_prompt=args.kv_keep_prompt, digits=args.digits, seed=args.seed,
+        kv_buffer=args.kv_buffer, kv_keep_prompt=args.kv_keep_prompt, kv_calibrate=args.kv_calibrate,
+        digits=args.digits, seed=args.seed,
         report=Path(args.report) if args.report else None,
     )
     # Options left out take DemoOptions' defaults: they are defined there once.
@@ -283,6 +284,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
     return value
 
 
@@ -339,6 +347,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"KV tokens kept per sequence by sparse policies (default {defaults.kv_budget})")
     demo.add_argument("--kv-buffer", type=_positive,
                       help=f"tokens generated between re-compressions (default {defaults.kv_buffer})")
+    demo.add_argument("--kv-calibrate", type=_share, metavar="RATIO",
+                      help="raise --kv-budget (steps of 4, up to twice it) until the sparse sampler keeps "
+                           "RATIO of the model's dense accuracy, measured before training and cached "
+                           "(e.g. 0.7; default off)")
     demo.add_argument("--kv-keep-prompt", action=argparse.BooleanOptionalAction,
                       help="never evict the prompt; the budget then counts generated tokens only "
                            f"(default {'on' if defaults.kv_keep_prompt else 'off'}: Sparse-RL's semantics)")

@@ -4,6 +4,9 @@ each a local process started as a real deployment starts it."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
+import json
 import os
 import re
 import secrets
@@ -41,6 +44,7 @@ class Stack:
         self.urls: dict[str, str] = {}
         self.http = httpx.Client(timeout=10.0, headers={"Authorization": f"Bearer {self.token}"})
         self.interactive = console.is_terminal
+        self.calibration: dict[str, Any] | None = None  # the KV calibration's result, with kv_calibrate
 
     def say(self, text: str) -> None:
         console.print(text)
@@ -189,6 +193,50 @@ class Stack:
                 return Path(line[6:])
         raise DemoFailed(f"the warm-start build printed no model path (log {child.log})")
 
+    def calibrate_kv(self, model_dir: Path) -> None:
+        """With `kv_calibrate`, measure the tightest budget from `kv_budget` up (steps of 4, up to twice
+        it) that keeps that share of the model's dense accuracy, in a child process (it loads torch)
+        cached per model and settings; the workers then run at it."""
+        o = self.o
+        if o.kv_calibrate is None or o.kv_policy == "dense":
+            return
+        budgets = ",".join(str(b) for b in range(o.kv_budget, 2 * o.kv_budget + 1, 4))
+        options = {"min_digits": o.digits[0], "max_digits": o.digits[1]} if o.digits else {}
+        argv = ["--model", str(model_dir), "--task", TASK, "--task-options", json.dumps(options),
+                "--policy", o.kv_policy, "--buffer", str(self.kv_buffer), "--budgets", budgets,
+                "--min-ratio", str(o.kv_calibrate), "--device", o.device]
+        argv += [] if o.kv_keep_prompt else ["--evict-prompt"]
+        files = sorted(model_dir.glob("*.safetensors"))
+        weights = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+        key = hashlib.sha256(json.dumps([str(model_dir), weights, argv]).encode()).hexdigest()[:16]
+        cached = Path(".cache/kv-calibration").resolve() / f"{key}.json"
+        if not cached.is_file():
+            self.say(f"calibrating the KV budget: {o.kv_policy} at {budgets.replace(',', ', ')} tokens until "
+                     f"the sampler keeps {o.kv_calibrate:.0%} of the dense accuracy (once per model)")
+            env = self.base_env() | {"OMP_NUM_THREADS": "2"}
+            child = self.procs.start("kv-calibration", [sys.executable, "-m", "services.rollout.calibration",
+                                                        *argv], env, cwd=self.state_dir)
+            while child.alive():
+                time.sleep(0.5)
+            self.procs.children.remove(child)
+            lines = [line for line in child.log_tail(200).splitlines() if line.startswith("{")]
+            if child.popen.returncode != 0 or not lines:
+                raise DemoFailed(f"the KV calibration failed (log {child.log}):\n{child.log_tail()}")
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            cached.write_text(lines[-1] + "\n")
+        self.calibration = result = json.loads(cached.read_text())
+        rows = ", ".join(f"{r['budget']:.0f}: {r['accuracy']:.0%} ({r['ratio']:.2f}x)" for r in result["rows"])
+        met = "" if self.calibration["met"] else f" — none kept {o.kv_calibrate:.0%}: the largest is used"
+        self.say(f"[green]✓[/] KV budget {self.calibration['budget']} (dense accuracy "
+                 f"{self.calibration['dense']['accuracy']:.0%}; {o.kv_policy} {rows}{met})")
+        self.o = dataclasses.replace(o, kv_budget=int(self.calibration["budget"]))
+
+    @property
+    def kv_buffer(self) -> int:
+        # Re-compress every budget/2 tokens by default: addition completions are tens of tokens,
+        # so the default interval of 128 (R-KV's) would never evict in this demo.
+        return self.o.kv_buffer or max(8, self.o.kv_budget // 2)
+
     def start_trainer(self, model_dir: Path) -> None:
         port = free_port()
         o = self.o
@@ -214,9 +262,6 @@ class Stack:
         self.urls["trainer"] = f"http://127.0.0.1:{port}"
 
     def start_workers(self) -> None:
-        # Re-compress every budget/2 tokens by default: addition completions are tens of tokens,
-        # so the default interval of 128 (R-KV's) would never evict in this demo.
-        buffer = self.o.kv_buffer or max(8, self.o.kv_budget // 2)
         for n in range(1, self.o.workers + 1):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
@@ -231,7 +276,7 @@ class Stack:
                 "SPARSECAST_ADVERTISE_URL": url,
                 "SPARSECAST_KV_POLICY": self.o.kv_policy,
                 "SPARSECAST_KV_BUDGET": str(self.o.kv_budget),
-                "SPARSECAST_KV_BUFFER": str(buffer),
+                "SPARSECAST_KV_BUFFER": str(self.kv_buffer),
                 "SPARSECAST_KV_KEEP_PROMPT": str(self.o.kv_keep_prompt).lower(),
                 "SPARSECAST_SYNC_POLL_S": "0.5",
                 "OMP_NUM_THREADS": "1",

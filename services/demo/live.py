@@ -82,7 +82,8 @@ def summary(o: DemoOptions, f: dict[str, Any], dashboard: str, log_dir: Path) ->
     if (f["rejection_rate"] or 0.0) >= MOSTLY_VETOED:
         table.add_row("[yellow]note[/]",
                       "most batches were vetoed: under this cache the sampler writes tokens the dense "
-                      "policy rejects, and little is left to learn from; a larger --kv-budget keeps more "
+                      "policy rejects, and little is left to learn from; a larger --kv-budget keeps more, "
+                      "--kv-calibrate 0.7 picks one for the model "
                       "(docs/training.md, \"On another machine: the warm start decides\")")
     for name, w in f["workers"].items():
         table.add_row(f"worker {name}", f"serving v{w['version']}"

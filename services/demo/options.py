@@ -37,6 +37,11 @@ class DemoOptions:
     # R-KV then drops the operand digits already added, so 32 + 2 saves 46 % of the KV at 0.56× dense
     # accuracy, where a protected prompt saves 34 % at 0.58× (budget 24) and 41 % at 0.47× (budget 20).
     kv_keep_prompt: bool = False
+    # Raise the budget from `kv_budget` (in steps of 4, up to twice it) until the workers' sampler
+    # keeps this share of the model's dense accuracy, measured before training (services.rollout.
+    # calibration; cached per model). None: `kv_budget` as given. For a model the default cache hurts
+    # too much to learn from (docs/training.md, "On another machine: the warm start decides").
+    kv_calibrate: float | None = None
     seed: int = 0  # the trainer's seed and the prompts' (each step's prompts are fresh)
     digits: tuple[int, int] | None = None  # addition's digit range; default the task's own
     report: Path | None = None  # write the run's history, versions and summary as JSON here

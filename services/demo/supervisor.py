@@ -150,6 +150,7 @@ class Demo(Stack):
         self.start_redis()
         self.start_registry()
         model_dir = self.warm_start_model()
+        self.calibrate_kv(model_dir)
         # The trainer boots while the registry may still be starting: its registry client
         # retries refused connections, and loading the model takes longer anyway.
         self.start_trainer(model_dir)
@@ -165,8 +166,9 @@ class Demo(Stack):
                 k: str(v) if isinstance(v, Path) else v for k, v in vars(self.o).items() if k != "token"
             }
             self.o.report.parent.mkdir(parents=True, exist_ok=True)
-            self.o.report.write_text(json.dumps({"options": options, "summary": figures, "history": history},
-                                                indent=1) + "\n")
+            report = {"options": options, "kv_calibration": self.calibration, "summary": figures,
+                      "history": history}
+            self.o.report.write_text(json.dumps(report, indent=1) + "\n")
             self.say(f"report written to {self.o.report}")
         if self.o.keep_running:
             self.say(f"the stack keeps running: dashboard {self.urls['trainer']}/ · for the CLI: "

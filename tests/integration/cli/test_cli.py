@@ -315,3 +315,14 @@ def test_service_help_prints_its_settings_and_exits(service: str) -> None:
     refused = subprocess.run([sys.executable, "-m", f"services.{service}", "--port", "1"], cwd=REPO_ROOT,
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "takes no arguments" in refused.stderr
+
+
+def test_demo_kv_calibrate_takes_a_share() -> None:
+    from services.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["demo", "--kv-calibrate", "0.7"]).kv_calibrate == 0.7
+    assert parser.parse_args(["demo"]).kv_calibrate is None  # off unless asked: DemoOptions' default
+    for bad in ("0", "1.5", "x"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["demo", "--kv-calibrate", bad])
