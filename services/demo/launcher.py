@@ -225,10 +225,12 @@ class Stack:
             cached.parent.mkdir(parents=True, exist_ok=True)
             cached.write_text(lines[-1] + "\n")
         self.calibration = result = json.loads(cached.read_text())
-        rows = ", ".join(f"{r['budget']:.0f}: {r['accuracy']:.0%} ({r['ratio']:.2f}x)" for r in result["rows"])
-        met = "" if self.calibration["met"] else f" — none kept {o.kv_calibrate:.0%}: the largest is used"
-        self.say(f"[green]✓[/] KV budget {self.calibration['budget']} (dense accuracy "
-                 f"{self.calibration['dense']['accuracy']:.0%}; {o.kv_policy} {rows}{met})")
+        rows = ", ".join(
+            f"{r['budget']:.0f}: {r['accuracy']:.0%} ({r['ratio']:.2f}x)" for r in result["rows"]
+        )
+        met = "" if result["met"] else f" — none kept {o.kv_calibrate:.0%}: the largest is used"
+        self.say(f"[green]✓[/] KV budget {result['budget']} (dense accuracy "
+                 f"{result['dense']['accuracy']:.0%}; {o.kv_policy} {rows}{met})")
         self.o = dataclasses.replace(o, kv_budget=int(self.calibration["budget"]))
 
     @property
