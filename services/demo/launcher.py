@@ -231,7 +231,8 @@ class Stack:
         met = "" if result["met"] else f" — none kept {o.kv_calibrate:.0%}: the largest is used"
         self.say(f"[green]✓[/] KV budget {result['budget']} (dense accuracy "
                  f"{result['dense']['accuracy']:.0%}; {o.kv_policy} {rows}{met})")
-        self.o = dataclasses.replace(o, kv_budget=int(self.calibration["budget"]))
+        # The buffer it was measured with, also where a default one would follow the budget.
+        self.o = dataclasses.replace(o, kv_budget=int(result["budget"]), kv_buffer=self.kv_buffer)
 
     @property
     def kv_buffer(self) -> int:
