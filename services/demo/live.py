@@ -46,6 +46,8 @@ def view(o: DemoOptions, status: dict[str, Any], history: list[dict[str, Any]], 
 # The demo's documented runs veto 38-51 % of their sequences and learn; at 67-98 % they did not
 # (bench/results/demo-cpu-avx512bf16.json): the summary then says why the batches stay flat.
 MOSTLY_VETOED = 0.65
+# Runs that learn gain 9-17 points; those capped by the cache 0-2 (bench/results/demo-cpu*.json).
+FLAT_RISE = 0.05
 
 
 def summary(o: DemoOptions, f: dict[str, Any], dashboard: str, log_dir: Path) -> Table:
@@ -79,12 +81,16 @@ def summary(o: DemoOptions, f: dict[str, Any], dashboard: str, log_dir: Path) ->
                   f"{' + the prompt' if o.kv_keep_prompt else ', prompt included'})")
     table.add_row("corrections: sequences vetoed / tokens masked",
                   f"{pct(f['rejection_rate'])} / {pct(f['token_mask_rate'])}")
+    remedy = ("a larger --kv-budget keeps more, --kv-calibrate 0.7 picks one for the model "
+              "(docs/training.md, \"On another machine: the warm start decides\")")
     if (f["rejection_rate"] or 0.0) >= MOSTLY_VETOED:
         table.add_row("[yellow]note[/]",
                       "most batches were vetoed: under this cache the sampler writes tokens the dense "
-                      "policy rejects, and little is left to learn from; a larger --kv-budget keeps more, "
-                      "--kv-calibrate 0.7 picks one for the model "
-                      "(docs/training.md, \"On another machine: the warm start decides\")")
+                      f"policy rejects, and little is left to learn from; {remedy}")
+    elif rise is not None and rise < FLAT_RISE and o.kv_policy != "dense":
+        table.add_row("[yellow]note[/]",
+                      f"the batches, sampled under the {o.kv_policy} cache, barely rose: this cache caps "
+                      f"what the sampler gets right, whatever the policy learns (held-out above); {remedy}")
     for name, w in f["workers"].items():
         table.add_row(f"worker {name}", f"serving v{w['version']}"
                       + (f", {w['tokens_per_s']:.0f} tokens/s" if w["tokens_per_s"] else ""))
