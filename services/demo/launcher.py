@@ -208,7 +208,7 @@ class Stack:
         argv += [] if o.kv_keep_prompt else ["--evict-prompt"]
         files = sorted(model_dir.glob("*.safetensors"))
         weights = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-        key = hashlib.sha256(json.dumps([str(model_dir), weights, argv]).encode()).hexdigest()[:16]
+        key = hashlib.sha256(json.dumps([argv, weights]).encode()).hexdigest()[:16]  # argv names the model
         cached = Path(".cache/kv-calibration").resolve() / f"{key}.json"
         if not cached.is_file():
             self.say(f"calibrating the KV budget: {o.kv_policy} at {budgets.replace(',', ', ')} tokens until "
