@@ -137,20 +137,27 @@ class Learner:
         with torch.no_grad():
             logp_old = self._logprobs_all(self.model, batch)
             logp_ref = self._logprobs_all(self.ref_model, batch) if self.ref_model is not None else None
-        corrections = sparse_rl_corrections(logp_old, batch.logp_sampler, mask, s.loss.corrections)
+        corrections = sparse_rl_corrections(logp_old, batch.logp_sampler, mask, s.loss.corrections,
+                                            advantages)
 
         updates = min(s.ppo_updates, batch.sequences)
         order = torch.randperm(batch.sequences, generator=self.shuffle).to(self.device)
         # Summed over this process's micro-batches, then over processes: loss, clip and KL tokens.
         totals = torch.zeros(4, dtype=torch.float64)
-        grad_norms = []
+        grad_norms, lr_scales = [], []
         for minibatch in order.tensor_split(updates):
-            self.optimizer.zero_grad(set_to_none=True)
             micro = self._micro_batches(minibatch)
             mine = torch.cat(micro) if micro else minibatch[:0]
-            # Each process knows its own rows' counts; all of them divide by the minibatch's total.
-            count = corrections.rows(mine).normalizer(s.loss.aggregation).double()
-            normalizer = self._sum(count).to(self.device)
+            # Each process knows its own rows' counts; summed over processes, every process divides
+            # by the minibatch's total and decides alike whether it steps.
+            own = corrections.rows(mine)
+            counts = torch.stack([own.normalizer(s.loss.aggregation), own.surviving().sum(),
+                                  own.has_tokens.sum()]).double()
+            normalizer, survivors, sequences = self._sum(counts).to(self.device).unbind()
+            if float(survivors) < s.loss.min_surviving_sequences:
+                continue  # no evidence: weights and optimizer state stay exactly as they are
+            lr_scale = float(survivors / sequences) if s.loss.scale_lr_by_survivors else 1.0
+            self.optimizer.zero_grad(set_to_none=True)
             for rows in micro:
                 if not rows.numel():
                     self._idle_pass(batch)
@@ -161,9 +168,11 @@ class Learner:
                 totals += torch.tensor([float(loss.detach()), m["clip_fraction"] * kept,
                                         m.get("kl_ref", 0.0) * kept, kept], dtype=torch.float64)
             grad_norms.append(self._clip_grad_norm())
-            self.optimizer.step()
+            self._optimizer_step(lr_scale)
+            lr_scales.append(lr_scale)
         self.step += 1
         loss_sum, clip_sum, kl_sum, kl_tokens = self._sum(totals).tolist()
+        taken = len(lr_scales)
 
         kept_all = float(corrections.keep_token.sum().clamp(min=1))
         gain: dict[str, float] = {}
@@ -180,12 +189,14 @@ class Learner:
             "step": self.step,
             "groups": len(trajectories),
             "sequences": batch.sequences,
-            "updates": updates,
+            "updates": taken,  # optimizer steps taken; `skipped_updates` more had no surviving sequence
+            "skipped_updates": updates - taken,
+            "lr_scale": sum(lr_scales) / taken if taken else 0.0,
             "reward_mean": float(batch.rewards.mean()),
             "reward_std": float(batch.rewards.std()) if batch.sequences > 1 else 0.0,
             "accuracy": float(batch.correct.float().mean()),
-            "loss": loss_sum / updates,
-            "grad_norm": sum(grad_norms) / len(grad_norms),
+            "loss": loss_sum / max(taken, 1),
+            "grad_norm": sum(grad_norms) / taken if taken else 0.0,
             "clip_fraction": clip_sum / kept_all,
             "completion_tokens_mean": float(completion_lengths.mean()),
             # Monte-Carlo estimate of the dense policy's per-token entropy: mean −log π_old of the
@@ -196,10 +207,23 @@ class Learner:
                          if batch.kv_peak_tokens.sum() > 0 else 0.0),
             "kv_peak_bytes_mean": float(batch.kv_peak_bytes.mean()),
             "staleness": {str(k): v for k, v in batch.staleness(version).items()},
-            "by_staleness": self._by_staleness(batch, version, logp_old),
+            "by_staleness": self._by_staleness(batch, version, logp_old, advantages),
             **{k: v for k, v in corrections.metrics.items() if k != "kept_tokens"},
             **gain,
         }
+
+    def _optimizer_step(self, lr_scale: float) -> None:
+        """One AdamW step at lr × lr_scale (the survivors' share: Adam's step does not shrink with
+        the loss's 1/N, so the learning rate carries it)."""
+        groups = self.optimizer.param_groups
+        base = [group["lr"] for group in groups]
+        for group in groups:
+            group["lr"] = group["lr"] * lr_scale
+        try:
+            self.optimizer.step()
+        finally:
+            for group, lr in zip(groups, base, strict=True):
+                group["lr"] = lr
 
     def _micro_batches(self, minibatch: torch.Tensor) -> list[torch.Tensor]:
         """This process's micro-batches of a minibatch (an empty one: run _idle_pass)."""
@@ -225,14 +249,14 @@ class Learner:
                          logp_ref=None if logp_ref is None else logp_ref[rows],
                          corrections=corrections.rows(rows), normalizer=normalizer)
 
-    def _by_staleness(self, batch: TrainBatch, version: int,
-                      logp_old: torch.Tensor) -> dict[str, dict[str, float]]:
+    def _by_staleness(self, batch: TrainBatch, version: int, logp_old: torch.Tensor,
+                      advantages: torch.Tensor) -> dict[str, dict[str, float]]:
         versions = torch.tensor(batch.policy_versions, device=self.device)[batch.group_index]
         out = {}
         for lag in sorted(set(batch.staleness(version))):
             rows = (version - versions == lag).nonzero()[:, 0]
             sub = sparse_rl_corrections(logp_old[rows], batch.logp_sampler[rows], batch.completion_mask[rows],
-                                        self.settings.loss.corrections)
+                                        self.settings.loss.corrections, advantages[rows])
             out[str(lag)] = {k: sub.metrics[k] for k in _BY_STALENESS} | {"sequences": int(rows.numel())}
         return out
 

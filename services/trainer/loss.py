@@ -37,6 +37,15 @@ class CorrectionConfig(BaseModel):
     # The tokens that mean is taken over: "response" = every completion token of the batch, masked
     # and vetoed ones included (Sparse-RL's `mis.py`, `tis_batch_normalize`); "kept" = survivors only.
     normalize_over: Literal["response", "kept"] = "response"
+    # What a sequence loses for a *divergent* token, one the dense policy would rarely have sampled
+    # (ξ < mask_low), beyond that token's own mask (docs/training.md, "Rejection rules"):
+    #   token               nothing more (Sparse-RL's mis.py)
+    #   veto                the whole sequence
+    #   veto_negative       the whole sequence if its advantage is negative: its low reward may be the
+    #                       sampler's doing, and its later tokens would push the dense policy away from
+    #                       continuations it had right
+    #   truncate_negative   a negative-advantage sequence keeps only the tokens before its first divergence
+    divergence_rule: Literal["token", "veto", "veto_negative", "truncate_negative"] = "token"
 
 
 # How token losses become the batch loss. "seq_mean_token_mean" (Sparse-RL's slime default,
@@ -50,6 +59,12 @@ class LossConfig(BaseModel):
     kl_coef: float = Field(0.0, ge=0, description="weight of the k3 KL to the reference policy")
     aggregation: Aggregation = "seq_mean_token_mean"
     corrections: CorrectionConfig = Field(default_factory=CorrectionConfig)
+    # No update without evidence (docs/training.md, "No update without evidence"). AdamW moves the
+    # weights by ~lr whatever the loss's scale, and along its momentum (plus weight decay) even with
+    # a zero gradient: so a minibatch with fewer surviving sequences than this takes no optimizer
+    # step at all, and one with survivors takes a step of lr × their share of its sequences.
+    min_surviving_sequences: int = Field(1, ge=1, description="survivors a minibatch needs for a step")
+    scale_lr_by_survivors: bool = True
 
 
 @dataclass(frozen=True)
@@ -66,6 +81,10 @@ class Corrections:
         batch-wide normalisation."""
         return Corrections(xi=self.xi[rows], has_tokens=self.has_tokens[rows], keep_seq=self.keep_seq[rows],
                            keep_token=self.keep_token[rows], weight=self.weight[rows], metrics=self.metrics)
+
+    def surviving(self) -> torch.Tensor:
+        """[B] bool: the sequence keeps at least one token (survived the veto and the mask)."""
+        return self.keep_token.any(dim=1)
 
     def normalizer(self, aggregation: Aggregation) -> torch.Tensor:
         """What the summed loss of these sequences is divided by: their kept tokens (token mean)
@@ -115,9 +134,12 @@ def xi_quantiles(xi: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
 
 
 def sparse_rl_corrections(
-    logp_old_dense: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, cfg: CorrectionConfig
+    logp_old_dense: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, cfg: CorrectionConfig,
+    advantages: torch.Tensor | None = None,
 ) -> Corrections:
-    """Sequence veto, token mask and token weights from ξ_t = exp(clamp(logp_old_dense − logp_sampler)).
+    """Sequence veto, token mask and token weights from ξ_t = exp(clamp(logp_old_dense − logp_sampler)),
+    then `cfg.divergence_rule` (the *_negative rules need `advantages` [B]; without them no sequence
+    counts as negative).
 
     Metrics: `rejection_rate` (vetoed / sequences), `token_mask_rate` (masked / completion tokens of
     kept sequences), `xi_mean` (over all completion tokens), `kl_old_sampler` (KL(π_old_dense ‖
@@ -134,8 +156,18 @@ def sparse_rl_corrections(
     keep_seq = has_tokens
     if cfg.sequence_veto:
         keep_seq = keep_seq & ~((xi < cfg.veto_threshold) & mask).any(dim=1)
+    divergent = mask & (xi < cfg.mask_low)
+    diverged = divergent.any(dim=1)
+    negative = torch.zeros_like(has_tokens) if advantages is None else (advantages < 0).to(mask.device)
+    if cfg.divergence_rule == "veto":
+        keep_seq = keep_seq & ~diverged
+    elif cfg.divergence_rule == "veto_negative":
+        keep_seq = keep_seq & ~(diverged & negative)
     in_seq = mask & keep_seq[:, None]
     keep_token = in_seq
+    if cfg.divergence_rule == "truncate_negative":
+        before_first = divergent.int().cumsum(dim=1) == 0
+        keep_token = keep_token & (before_first | ~negative[:, None])
     if cfg.token_mask:
         keep_token = keep_token & (xi >= cfg.mask_low) & (xi <= cfg.mask_high)
 
@@ -150,6 +182,7 @@ def sparse_rl_corrections(
     n_seq = int(has_tokens.sum())
     metrics = {
         "rejection_rate": float((has_tokens & ~keep_seq).sum()) / n_seq if n_seq else 0.0,
+        "divergent_rate": float(diverged.sum()) / n_seq if n_seq else 0.0,  # sequences with ξ < mask_low
         "token_mask_rate": 1.0 - float(keep_token.sum()) / float(in_seq.sum()) if in_seq.any() else 0.0,
         "xi_mean": _safe_mean(xi, mask),
         "kl_old_sampler": _safe_mean(xi * log_xi - xi + 1.0, mask),
