@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from services.trainer.kv_budget import KVControlSettings
 from services.trainer.loss import LossConfig
 from shared.coord import CoordSettings
 from shared.settings import ModelServiceSettings
@@ -80,3 +81,7 @@ class TrainerSettings(ModelServiceSettings):
     # Default task for POST /v1/prompts with generated prompts.
     default_task: str = "addition"
     samples_per_prompt: int = Field(default=8, ge=1)
+    # The rollout workers' KV budget, published with every version (services.trainer.kv_budget):
+    # "fixed" (default) publishes start_budget if set, else nothing; "adaptive" moves it between
+    # min_budget and max_budget to hold `metric` at `target`. SPARSECAST_KV_CONTROL__MODE=adaptive, ...
+    kv_control: KVControlSettings = Field(default_factory=KVControlSettings)

@@ -1,0 +1,197 @@
+"""Adaptive KV budget: hold a sampler-mismatch target by moving the rollout workers' KV budget.
+
+A tighter KV budget saves memory but makes the sparse sampler drift from the dense policy: more
+sequences vetoed by the Sparse-RL corrections (`rejection_rate`) and a larger per-token
+KL(π_old_dense ‖ π_sampler) (`kl_old_sampler`). Sparrow (arXiv 2606.08446) adapts a
+sparse-attention budget to hold a worst-token mismatch threshold; here the knob is the R-KV
+budget the workers generate with, and the signal is one of the trainer's per-step correction
+metrics. The controller is pure (no I/O): the trainer feeds it each step's evidence and publishes
+the budget it answers with the next version (shared.registry.wire.RolloutDirective); workers take
+it up when their weights reach that version.
+
+The rule (`KVBudgetController.update`):
+
+1. **Evidence at the current budget only.** A trajectory trained at step v may have been sampled
+   at an older budget (its `sampling.kv_budget` says which; workers swap budgets with weights).
+   The step's metric is split by sampling version (the learner's `by_staleness`); a version's
+   figures count only if every trajectory of it was sampled at the budget in force and at or after
+   the version that budget was first published with. Versions that mix budgets, or were sampled
+   before the last move, are ignored (`evidence_from_step`).
+2. **Smoothing weighed by that evidence.** The smoothed signal is an EMA of the current-budget
+   observations, the step's weight `smoothing × share` where share is the fraction of the step's
+   sequences that counted: a step of mostly stale samples barely moves it. The first observation
+   at a budget sets it. A move resets it (the old budget's mismatch says little about the new one).
+3. **Deadband and hysteresis.** No move until `min_sequences` sequences at the current budget
+   have been seen since the last move. Then: signal > target × (1 + deadband) → raise the budget
+   by `step` tokens (less eviction, less mismatch); signal < target × (1 − deadband) → lower it
+   by `step` (more KV saved); inside the band → hold. Always within [min_budget, max_budget].
+
+Mode "fixed" never moves: the trainer publishes `start_budget` (None: nothing, workers keep their
+own budget, the behaviour before this controller). In "adaptive" mode with no `start_budget` the
+controller adopts the budget most of the first batch was sampled at (the workers' own).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from shared.schemas import Trajectory
+
+Metric = Literal["rejection_rate", "kl_old_sampler"]
+
+
+class KVControlSettings(BaseModel):
+    """TrainerSettings.kv_control (env SPARSECAST_KV_CONTROL__MODE=adaptive, __TARGET=0.3, ...)."""
+
+    mode: Literal["fixed", "adaptive"] = "fixed"
+    metric: Metric = "rejection_rate"
+    # In the metric's units: a share of sequences for rejection_rate, nats per token for kl_old_sampler.
+    target: float = Field(default=0.3, gt=0)
+    # Half-width of the hold band, a fraction of the target: hold while |signal − target| ≤ deadband × target.
+    deadband: float = Field(default=0.2, ge=0, lt=1)
+    # EMA weight of a step made wholly of current-budget evidence (1: no smoothing).
+    smoothing: float = Field(default=0.5, gt=0, le=1)
+    # Sequences sampled at the current budget needed before the next move (hysteresis).
+    min_sequences: int = Field(default=64, ge=1)
+    min_budget: int = Field(default=16, ge=1)
+    max_budget: int = Field(default=512, ge=1)
+    start_budget: int | None = Field(default=None, ge=1, description="None: the workers' own budget")
+    step: int = Field(default=4, ge=1, description="tokens per move")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> KVControlSettings:
+        if self.min_budget > self.max_budget:
+            raise ValueError(f"min_budget {self.min_budget} > max_budget {self.max_budget}")
+        if self.start_budget is not None and not self.min_budget <= self.start_budget <= self.max_budget:
+            raise ValueError(
+                f"start_budget {self.start_budget} is outside [{self.min_budget}, {self.max_budget}]")
+        return self
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One sampling version's share of a step: its sequences, the budget they were all sampled at
+    (None: mixed or dense) and the metric over them."""
+
+    version: int
+    budget: int | None
+    sequences: int
+    value: float
+
+
+def evidence_from_step(trajectories: Sequence[Trajectory], metrics: Mapping[str, Any], version: int,
+                       metric: Metric) -> list[Evidence]:
+    """Split a learner step's `metric` by sampling version (`by_staleness`, staleness = version −
+    policy_version), each with the budget its trajectories were sampled at (None if they differ)."""
+    budgets: dict[int, set[int | None]] = {}
+    for t in trajectories:
+        budgets.setdefault(t.policy_version, set()).add(t.sampling.kv_budget if t.sampling else None)
+    cells = []
+    for lag, figures in (metrics.get("by_staleness") or {}).items():
+        sampled_at = version - int(lag)
+        seen = budgets.get(sampled_at, {None})
+        value = figures.get(metric)
+        if value is None:
+            continue
+        cells.append(Evidence(version=sampled_at, budget=next(iter(seen)) if len(seen) == 1 else None,
+                              sequences=int(figures.get("sequences", 0)), value=float(value)))
+    return cells
+
+
+class KVBudgetController:
+    """The budget to publish with each version (module docstring: the rule)."""
+
+    def __init__(self, settings: KVControlSettings) -> None:
+        self.settings = settings
+        self.budget: int | None = settings.start_budget  # in force: published with the last version
+        self.since: int = 0  # the first version published with `budget`
+        self.signal: float | None = None  # smoothed metric at `budget` since the last move
+        self.evidence = 0  # sequences at `budget` behind `signal`
+        self.moves = 0
+
+    @property
+    def adaptive(self) -> bool:
+        return self.settings.mode == "adaptive"
+
+    def _clamp(self, budget: int) -> int:
+        return min(max(budget, self.settings.min_budget), self.settings.max_budget)
+
+    def _move(self, budget: int, version: int) -> None:
+        if budget != self.budget:
+            self.moves += self.budget is not None
+            self.budget, self.since, self.signal, self.evidence = budget, version, None, 0
+
+    def update(self, cells: Iterable[Evidence], next_version: int) -> dict[str, Any]:
+        """Take one step's evidence; return the report for the version about to be published
+        (`kv_budget`: the budget published with `next_version`)."""
+        cells = list(cells)
+        if self.adaptive:
+            if self.budget is None:  # adopt the workers' own budget: what most sequences used
+                used = Counter[int]()
+                for c in cells:
+                    if c.budget is not None:
+                        used[c.budget] += c.sequences
+                if used:
+                    own = used.most_common(1)[0][0]
+                    self.budget, self.since = self._clamp(own), 0
+                    if self.budget != own:  # clamped: the evidence was sampled at another budget
+                        self.since = next_version
+            self._observe(cells)
+            self._decide(next_version)
+        return self.report()
+
+    def _observe(self, cells: list[Evidence]) -> None:
+        total = sum(c.sequences for c in cells)
+        current = [c for c in cells if c.budget is not None and c.budget == self.budget
+                   and c.version >= self.since and c.sequences > 0]
+        counted = sum(c.sequences for c in current)
+        if not counted:
+            return
+        observed = sum(c.value * c.sequences for c in current) / counted
+        weight = self.settings.smoothing * counted / total
+        self.signal = observed if self.signal is None else (1 - weight) * self.signal + weight * observed
+        self.evidence += counted
+
+    def _decide(self, next_version: int) -> None:
+        s = self.settings
+        if self.budget is None or self.signal is None or self.evidence < s.min_sequences:
+            return
+        if self.signal > s.target * (1 + s.deadband):
+            self._move(self._clamp(self.budget + s.step), next_version)
+        elif self.signal < s.target * (1 - s.deadband):
+            self._move(self._clamp(self.budget - s.step), next_version)
+
+    def report(self) -> dict[str, Any]:
+        """What the step's metrics carry (and a restarted trainer resumes from)."""
+        return {"kv_budget": self.budget, "kv_signal": self.signal, "kv_evidence": self.evidence,
+                "kv_budget_since": self.since}
+
+    def resume(self, budget: int | None, metrics: Mapping[str, Any], version: int) -> None:
+        """Continue from what was published last (the head manifest): its budget and the
+        controller's figures in its metrics; without them the budget counts from `version`. Fixed
+        mode publishes its own setting whatever was published before."""
+        if budget is None or not self.adaptive:
+            return
+        self.budget = self._clamp(budget)
+        since = metrics.get("kv_budget_since")
+        if self.budget == budget and metrics.get("kv_budget") == budget and isinstance(since, int):
+            signal, evidence = metrics.get("kv_signal"), metrics.get("kv_evidence")
+            self.since = since
+            self.signal = float(signal) if isinstance(signal, int | float) else None
+            self.evidence = int(evidence) if isinstance(evidence, int) else 0
+        else:
+            self.since, self.signal, self.evidence = version, None, 0
+
+    def state(self) -> dict[str, Any]:
+        return self.report() | {"kv_moves": self.moves}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """A checkpoint's `state()`."""
+        self.budget, self.since = state["kv_budget"], state["kv_budget_since"]
+        self.signal, self.evidence = state["kv_signal"], state["kv_evidence"]
+        self.moves = state.get("kv_moves", 0)

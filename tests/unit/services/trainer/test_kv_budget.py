@@ -1,0 +1,139 @@
+"""The adaptive KV budget controller: pure, fed with per-version evidence (services.trainer.kv_budget)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from services.trainer.kv_budget import Evidence, KVBudgetController, KVControlSettings, evidence_from_step
+from services.trainer.settings import TrainerSettings
+from shared.schemas import SamplingInfo, Trajectory
+
+
+def _controller(**overrides) -> KVBudgetController:
+    values = {"mode": "adaptive", "target": 0.3, "deadband": 0.2, "smoothing": 1.0, "min_sequences": 10,
+              "min_budget": 16, "max_budget": 64, "start_budget": 32, "step": 8} | overrides
+    return KVBudgetController(KVControlSettings(**values))
+
+
+def _at(budget: int | None, value: float, version: int = 0, sequences: int = 100) -> list[Evidence]:
+    return [Evidence(version=version, budget=budget, sequences=sequences, value=value)]
+
+
+def test_raises_the_budget_when_the_signal_is_over_target() -> None:
+    c = _controller()
+    report = c.update(_at(32, 0.5), next_version=1)
+    assert report["kv_budget"] == 40 and c.since == 1
+    assert report["kv_signal"] is None and report["kv_evidence"] == 0  # a move starts a fresh signal
+
+
+def test_lowers_the_budget_when_under_target() -> None:
+    c = _controller()
+    assert c.update(_at(32, 0.1), next_version=1)["kv_budget"] == 24
+
+
+def test_holds_inside_the_deadband() -> None:
+    c = _controller()
+    for v, value in enumerate((0.25, 0.35, 0.3, 0.34)):  # band: 0.24 .. 0.36
+        report = c.update(_at(32, value, version=v), next_version=v + 1)
+        assert report["kv_budget"] == 32
+    assert report["kv_signal"] == pytest.approx(0.34) and report["kv_evidence"] == 400
+
+
+def test_clamps_to_the_bounds() -> None:
+    c = _controller(start_budget=60)
+    assert c.update(_at(60, 0.9), next_version=1)["kv_budget"] == 64
+    assert c.update(_at(64, 0.9, version=1), next_version=2)["kv_budget"] == 64
+    low = _controller(start_budget=20)
+    assert low.update(_at(20, 0.0), next_version=1)["kv_budget"] == 16
+    assert low.update(_at(16, 0.0, version=1), next_version=2)["kv_budget"] == 16
+
+
+def test_ignores_evidence_sampled_at_another_budget_or_before_the_move() -> None:
+    c = _controller()
+    assert c.update(_at(32, 0.9), next_version=1)["kv_budget"] == 40  # moved at v1
+    # The next batches were still sampled at 32 (workers swap budgets with their weights) or mix
+    # budgets (None): no evidence about 40, no move and no signal.
+    for v in (1, 2):
+        report = c.update(_at(32, 0.9, version=v) + _at(None, 0.9, version=v), next_version=v + 1)
+        assert (report["kv_budget"], report["kv_signal"], report["kv_evidence"]) == (40, None, 0)
+    # Sampled at 40 but before v1 published it (a worker with a budget of its own): not counted.
+    assert c.update(_at(40, 0.9, version=0), next_version=4)["kv_evidence"] == 0
+    report = c.update(_at(40, 0.31, version=3), next_version=5)
+    assert (report["kv_budget"], report["kv_signal"], report["kv_evidence"]) == (40, pytest.approx(0.31), 100)
+
+
+def test_stale_share_weighs_the_smoothing_and_hysteresis_waits_for_evidence() -> None:
+    c = _controller(smoothing=0.5, min_sequences=150)
+    assert c.update(_at(32, 0.3), next_version=1)["kv_signal"] == pytest.approx(0.3)  # first sets it
+    # One quarter of the step is current: weight 0.5 × 0.25.
+    report = c.update(_at(32, 0.7, version=1, sequences=25) + _at(24, 0.0, version=0, sequences=75),
+                      next_version=2)
+    assert report["kv_signal"] == pytest.approx(0.3 + 0.125 * 0.4)
+    assert report["kv_budget"] == 32  # 0.35 is inside the band anyway
+    c2 = _controller(min_sequences=150)
+    assert c2.update(_at(32, 0.9), next_version=1)["kv_budget"] == 32  # 100 < 150 sequences: wait
+    assert c2.update(_at(32, 0.9, version=1), next_version=2)["kv_budget"] == 40
+
+
+def test_fixed_mode_never_moves_and_publishes_its_start() -> None:
+    fixed = KVBudgetController(KVControlSettings(start_budget=48))
+    assert fixed.update(_at(48, 0.99), next_version=1)["kv_budget"] == 48
+    fixed.resume(24, {"kv_budget": 24}, version=5)
+    assert fixed.budget == 48
+    default = KVBudgetController(KVControlSettings())
+    assert default.update(_at(32, 0.99), next_version=1)["kv_budget"] is None  # nothing published
+
+
+def test_adaptive_without_a_start_adopts_the_workers_budget() -> None:
+    c = _controller(start_budget=None)
+    report = c.update(_at(32, 0.3, sequences=90) + _at(48, 0.3, version=1, sequences=10), next_version=2)
+    assert report["kv_budget"] == 32 and report["kv_evidence"] == 90
+    clamped = _controller(start_budget=None, min_budget=40)
+    report = clamped.update(_at(32, 0.9), next_version=1)
+    assert report["kv_budget"] == 40 and report["kv_evidence"] == 0  # sampled at 32: no evidence about 40
+
+
+def test_resumes_from_the_head_manifest() -> None:
+    before = _controller()
+    before.update(_at(32, 0.9), next_version=1)
+    before.update(_at(40, 0.33, version=1, sequences=5), next_version=2)
+    head_metrics = before.report()
+    after = _controller()  # a restarted trainer: its start would be 32
+    after.resume(head_metrics["kv_budget"], head_metrics, version=2)
+    assert after.report() == head_metrics
+    # 5 more sequences reach min_sequences (10): the resumed evidence counts.
+    assert after.update(_at(40, 0.9, version=2, sequences=5), next_version=3)["kv_budget"] == 48
+    # A manifest whose metrics do not describe its budget: the budget, counted from that version.
+    other = _controller()
+    other.resume(56, {"kv_budget": 40, "kv_signal": 0.1}, version=7)
+    assert (other.budget, other.since, other.signal, other.evidence) == (56, 7, None, 0)
+    # A checkpoint's state round-trips too.
+    restored = _controller()
+    restored.load_state(before.state())
+    assert restored.state() == before.state()
+
+
+def test_evidence_is_split_by_sampling_version() -> None:
+    def traj(version: int, budget: int | None) -> Trajectory:
+        return Trajectory(group_id=f"g{version}{budget}", attempt=1, policy_version=version, worker_id="w",
+                          task="addition", prompt="p", samples=[],
+                          sampling=SamplingInfo(temperature=1.0, kv_policy="rkv", kv_budget=budget))
+
+    metrics = {"by_staleness": {"0": {"rejection_rate": 0.5, "kl_old_sampler": 0.1, "sequences": 8},
+                                "1": {"rejection_rate": 0.2, "kl_old_sampler": 0.05, "sequences": 16}}}
+    cells = evidence_from_step([traj(5, 40), traj(4, 32), traj(4, 40)], metrics, version=5,
+                               metric="kl_old_sampler")
+    assert sorted(cells, key=lambda c: c.version) == [Evidence(4, None, 16, 0.05), Evidence(5, 40, 8, 0.1)]
+
+
+def test_settings_validate_and_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValidationError):
+        KVControlSettings(min_budget=64, max_budget=32)
+    with pytest.raises(ValidationError):
+        KVControlSettings(start_budget=8, min_budget=16)
+    monkeypatch.setenv("SPARSECAST_KV_CONTROL__MODE", "adaptive")
+    monkeypatch.setenv("SPARSECAST_KV_CONTROL__TARGET", "0.1")
+    monkeypatch.setenv("SPARSECAST_KV_CONTROL__MAX_BUDGET", "96")
+    kv = TrainerSettings(data_dir="x").kv_control
+    assert (kv.mode, kv.target, kv.max_budget, kv.min_budget) == ("adaptive", 0.1, 96, 16)
