@@ -13,6 +13,7 @@ from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 
 from services.registry.core import KEY_PART, OBJECT_FOLDERS, RUN_NAME, RedisAnnouncer, Registry
 from services.registry.errors import BadRange, RegistryError
@@ -20,8 +21,9 @@ from services.registry.ranges import parse_range
 from services.registry.settings import RegistrySettings
 from services.registry.uploads import UploadCheck, UploadKind
 from shared.http import PROMETHEUS_TEXT, error_responses, install_error_handling
-from shared.registry.wire import METRICS_HEADER, MODEL_FILES, Manifest, Plan
+from shared.registry.wire import METRICS_HEADER, MODEL_FILES, ROLLOUT_HEADER, Manifest, Plan, RolloutDirective
 from shared.relay import PeerAnnouncement, PeerList
+from shared.schemas import one_line_error
 from shared.storage import ObjectStorage
 
 log = logging.getLogger(__name__)
@@ -97,6 +99,27 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
         async for chunk in request.stream():
             check.feed(chunk)
         return check.finish()
+
+    def rollout_directive(request: Request) -> RolloutDirective | None:
+        """The upload's X-Sparsecast-Rollout header (None when absent); anything but a JSON object
+        of RolloutDirective's fields, each valid, is a 422."""
+        raw = request.headers.get(ROLLOUT_HEADER)
+        if raw is None:
+            return None
+        try:
+            value = json.loads(raw)
+        except ValueError as exc:
+            raise HTTPException(422, f"{ROLLOUT_HEADER} is not JSON: {exc}") from exc
+        if not isinstance(value, dict):
+            raise HTTPException(422, f"{ROLLOUT_HEADER} must be a JSON object")
+        unknown = sorted(set(value) - set(RolloutDirective.model_fields))
+        if unknown:
+            raise HTTPException(422, f"{ROLLOUT_HEADER}: unknown fields {unknown}; known: "
+                                     f"{sorted(RolloutDirective.model_fields)}")
+        try:
+            return RolloutDirective.model_validate(value, strict=True)
+        except ValidationError as exc:
+            raise HTTPException(422, f"{ROLLOUT_HEADER}: {one_line_error(exc)}") from exc
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -182,12 +205,16 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
             raise HTTPException(422, f"metrics are not JSON: {exc}") from exc
         if not isinstance(step_metrics, dict):
             raise HTTPException(422, "metrics must be a JSON object")
-        return await registry.publish_patch(run, version, await read_body(request, "patch"), step_metrics)
+        rollout = rollout_directive(request)
+        return await registry.publish_patch(run, version, await read_body(request, "patch"), step_metrics,
+                                            rollout)
 
     @app.put("/v1/runs/{run}/snapshots/{version}", dependencies=[Depends(require_token)], responses=writes,
              openapi_extra=upload_body("a snapshot: safetensors with sparsecast metadata"))
     async def put_snapshot(run: Run, version: int, request: Request) -> Manifest:
-        return await registry.publish_snapshot(run, version, await read_body(request, "snapshot"))
+        rollout = rollout_directive(request)
+        return await registry.publish_snapshot(run, version, await read_body(request, "snapshot"),
+                                               rollout=rollout)
 
     @app.get("/v1/runs/{run}/model", responses=reads)
     async def model_files(run: Run) -> list[str]:

@@ -40,7 +40,7 @@ from services.registry.runs import RunState, object_ref, piece_hashes, stored
 from services.registry.settings import RegistrySettings
 from shared.coord.keys import Keys
 from shared.patch import apply_patch, dense_bytes, load_snapshot, read_header, save_snapshot, verify_chunks
-from shared.registry.wire import MODEL_FILES, Manifest, ObjectRef, Plan
+from shared.registry.wire import MODEL_FILES, Manifest, ObjectRef, Plan, RolloutDirective
 from shared.relay import WORKER_ID, PeerAnnouncement, PeerList
 from shared.storage import ObjectNotFound, ObjectStorage
 
@@ -168,7 +168,8 @@ class Registry:
         state.manifests[manifest.version] = manifest
         self.metrics.head.labels(run).set(max(state.manifests))
 
-    async def publish_patch(self, run: str, version: int, data: bytes, metrics: dict[str, Any]) -> Manifest:
+    async def publish_patch(self, run: str, version: int, data: bytes, metrics: dict[str, Any],
+                            rollout: RolloutDirective | None = None) -> Manifest:
         state = await self._run(run)
         try:
             header = await asyncio.to_thread(self._check_patch, data)
@@ -203,6 +204,7 @@ class Registry:
                 changed=header.changed,
                 created_at=time.time(),
                 metrics=metrics,
+                rollout=rollout or RolloutDirective(),
             )
             await self._commit(run, state, manifest)
         self.metrics.publishes.labels("patch").inc()
@@ -221,8 +223,11 @@ class Registry:
         return header
 
     async def publish_snapshot(
-        self, run: str, version: int, data: bytes, *, kind: str = "snapshot"
+        self, run: str, version: int, data: bytes, *, kind: str = "snapshot",
+        rollout: RolloutDirective | None = None,
     ) -> Manifest:
+        """`rollout` is kept for a run's first version; a snapshot of a committed version keeps the
+        directive published with it."""
         state = await self._run(run)
         try:
             # load_snapshot recomputes the fingerprint of the tensors and checks the metadata's.
@@ -252,6 +257,7 @@ class Registry:
                 manifest = Manifest(
                     run=run, version=version, fingerprint=info.fingerprint, snapshot=ref,
                     dense_bytes=dense_bytes(tensors), created_at=time.time(),
+                    rollout=rollout or RolloutDirective(),
                 )
             await self._commit(run, state, manifest)
         self.metrics.publishes.labels(kind).inc()

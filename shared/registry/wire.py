@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 # The config and tokenizer files a run carries beside its weights (a worker needs nothing else).
 MODEL_FILES = (
@@ -16,6 +16,8 @@ MODEL_FILES = (
 )
 # Request header of a patch upload: the trainer's step metrics as JSON, kept in the manifest.
 METRICS_HEADER = "X-Sparsecast-Metrics"
+# Request header of a patch or snapshot upload: the RolloutDirective of the version, as JSON.
+ROLLOUT_HEADER = "X-Sparsecast-Rollout"
 
 
 class ObjectRef(BaseModel):
@@ -25,6 +27,14 @@ class ObjectRef(BaseModel):
     size: int
     piece_bytes: int
     pieces: list[str]
+
+
+class RolloutDirective(BaseModel):
+    """What the trainer asks rollout workers to use from a version on (they take it up when their
+    weights reach it). None: the worker's own setting. Unknown fields are ignored when read (a newer
+    trainer's manifest still loads), refused when uploaded (services.registry.app)."""
+
+    kv_budget: int | None = Field(default=None, ge=1)
 
 
 class Manifest(BaseModel):
@@ -39,6 +49,7 @@ class Manifest(BaseModel):
     changed: int | None = None  # elements the patch changes
     created_at: float
     metrics: dict[str, Any] = {}
+    rollout: RolloutDirective = Field(default_factory=RolloutDirective)  # absent in older manifests
 
     @property
     def payload_ratio(self) -> float | None:
