@@ -60,11 +60,18 @@ EVAL_SEED = 990_001  # held-out prompts: one fixed set for every arm, seed and e
 TRAIN_SEED_STRIDE = 1_000_003  # prompts of step t for seed s: seed s * stride + t
 
 OFF = CorrectionConfig(sequence_veto=False, token_mask=False, token_weight=False)
-ARMS: dict[str, tuple[str, CorrectionConfig]] = {  # name -> (rollout KV policy, corrections)
-    "dense": ("dense", CorrectionConfig()),
-    "naive": ("rkv", OFF),
-    "sparse_rl": ("rkv", CorrectionConfig()),
-    "tis": ("rkv", CorrectionConfig(sequence_veto=False, token_mask=False)),
+ARMS: dict[str, tuple[str, LossConfig]] = {  # name -> (rollout KV policy, loss without kl_coef)
+    "dense": ("dense", LossConfig()),
+    "naive": ("rkv", LossConfig(corrections=OFF, scale_lr_by_survivors=False)),
+    "sparse_rl": ("rkv", LossConfig()),
+    "tis": ("rkv", LossConfig(corrections=CorrectionConfig(sequence_veto=False, token_mask=False))),
+    # The divergence rules (docs/training.md, "Rejection rules") and the authors' rule with the
+    # step size left to Adam (no lr scaling by the surviving share): what chose the defaults.
+    "veto": ("rkv", LossConfig(corrections=CorrectionConfig(divergence_rule="veto"))),
+    "veto_negative": ("rkv", LossConfig(corrections=CorrectionConfig(divergence_rule="veto_negative"))),
+    "truncate_negative": ("rkv",
+                          LossConfig(corrections=CorrectionConfig(divergence_rule="truncate_negative"))),
+    "sparse_rl_unscaled": ("rkv", LossConfig(scale_lr_by_survivors=False)),
 }
 # Fixed before the runs (issue 12). Accuracy = held-out T = 1 accuracy under dense inference,
 # mean over seeds; "sparse" = under R-KV at the training budget.
@@ -74,6 +81,8 @@ CRITERIA = {
     "c": "Sparse-RL ends within 3 points of dense",
     "d": "under sparse inference, Sparse-RL's sparse/dense accuracy ratio beats the dense-trained model's "
     "by >= 5 points",
+    # Issue 26: a correction must never make the model worse than its warm start.
+    "e": "at no evaluation does the corrected arm fall > 2 points below its warm start (mean of seeds)",
 }
 
 
@@ -177,11 +186,11 @@ def rollout(engine: LLMEngine, tokenizer: PreTrainedTokenizerBase, task: Task, p
 
 def run_arm(cfg: LearningConfig, arm: str, seed: int, model_dir: Path, budget: int, out: Path) -> None:
     torch.set_num_threads(cfg.threads)
-    policy, corrections = ARMS[arm]
+    policy, loss = ARMS[arm]
     settings = TrainerSettings(
         model=str(model_dir), device=cfg.device, lr=cfg.lr, weight_decay=cfg.weight_decay, seed=seed,
         ppo_updates=cfg.ppo_updates, micro_batch=cfg.micro_batch, temperature=cfg.temperature,
-        loss=LossConfig(kl_coef=cfg.kl_coef, corrections=corrections),
+        loss=loss.model_copy(update={"kl_coef": cfg.kl_coef}),
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     learner = Learner(settings, model_dir, tokenizer.pad_token_id)
@@ -288,7 +297,12 @@ def summarise(arms: dict[str, list[list[dict[str, Any]]]]) -> dict[str, Any]:
                 "xi_p99",
             )
         }
+        # The worst held-out dense T = 1 accuracy at any evaluation, against the run's own start.
+        worst = [min(e["modes"]["dense_t1"]["accuracy"] for e in run)
+                 - run[0]["modes"]["dense_t1"]["accuracy"] for run in evals]
         summary[arm] = {
+            "worst_vs_start": _mean(worst),
+            "worst_vs_start_per_seed": worst,
             "eval_steps": at,
             "curve": curve,
             "final": final,
@@ -324,17 +338,21 @@ def criteria(summary: dict[str, Any]) -> dict[str, Any]:
             "mismatch_grows": grows,
             "met": gap >= 0.10 or (degrades and grows),
         }
-    if "sparse_rl" in summary:
-        s = summary["sparse_rl"]
+    def ratio(arm: dict[str, Any]) -> float:
+        dense_acc = arm["final_mean"]["dense_t1"]
+        return arm["final_mean"]["sparse_t1"] / dense_acc if dense_acc else 0.0
+
+    # (c), (d) and the floor (e) for every corrected arm; the keys without a suffix are sparse_rl's.
+    for name, s in summary.items():
+        if name in ("dense", "naive"):
+            continue
+        suffix = "" if name == "sparse_rl" else f"_{name}"
         gap = dense_final - s["final_mean"]["dense_t1"]
-        out["c"] = {"claim": CRITERIA["c"], "gap_to_dense": gap, "met": gap <= 0.03}
-
-        def ratio(arm: dict[str, Any]) -> float:
-            dense_acc = arm["final_mean"]["dense_t1"]
-            return arm["final_mean"]["sparse_t1"] / dense_acc if dense_acc else 0.0
-
-        out["d"] = {"claim": CRITERIA["d"], "sparse_rl_ratio": ratio(s), "dense_trained_ratio": ratio(d),
-                    "met": ratio(s) - ratio(d) >= 0.05}
+        out["c" + suffix] = {"claim": CRITERIA["c"], "gap_to_dense": gap, "met": gap <= 0.03}
+        out["d" + suffix] = {"claim": CRITERIA["d"], "sparse_rl_ratio": ratio(s),
+                             "dense_trained_ratio": ratio(d), "met": ratio(s) - ratio(d) >= 0.05}
+        out["e" + suffix] = {"claim": CRITERIA["e"], "worst_vs_start": s["worst_vs_start"],
+                             "per_seed": s["worst_vs_start_per_seed"], "met": s["worst_vs_start"] >= -0.02}
     return out
 
 
@@ -355,6 +373,9 @@ def run(cfg: LearningConfig, arms: list[str], seeds: list[int], cache: Path, out
     jobs = [(arm, seed) for arm in arms for seed in seeds]
     pending, running, done = list(jobs), {}, {}
     config_json = cfg.model_dump_json()
+    # Several GPUs: the arm processes take them in turn.
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    started_jobs = 0
     while pending or running:
         while pending and len(running) < parallel:
             arm, seed = pending.pop(0)
@@ -378,7 +399,12 @@ def run(cfg: LearningConfig, arms: list[str], seeds: list[int], cache: Path, out
                 "--out",
                 str(path),
             ]
-            running[(arm, seed)] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), path, log)
+            env = dict(os.environ)
+            if gpus > 1:
+                env["CUDA_VISIBLE_DEVICES"] = str(started_jobs % gpus)
+            started_jobs += 1
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            running[(arm, seed)] = (proc, path, log)
         time.sleep(2)
         for key, (proc, path, log) in list(running.items()):
             if proc.poll() is None:
