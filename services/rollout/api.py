@@ -111,3 +111,5 @@ class WeightsInfo(BaseModel):
     history: list[dict[str, Any]]
     engine: str
     registry_url: str | None
+    # The KV budget the next batch uses (published with the version, else the worker's own; None: dense).
+    kv_budget: int | None = None

@@ -248,7 +248,8 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
         _observe(metrics, core, batch)
         return GenerateResponse(
             weight_version=batch.version, fingerprint=batch.fingerprint, engine=core.engine.name,
-            kv_policy=kv.policy, kv_budget=None if kv.policy == "dense" else kv.budget, seconds=batch.seconds,
+            kv_policy=batch.kv.policy, kv_budget=None if batch.kv.policy == "dense" else batch.kv.budget,
+            seconds=batch.seconds,
             tokens_per_s=batch.generated_tokens / batch.seconds if batch.seconds else 0.0,
             completions=[
                 Completion(prompt_index=i // req.n, text=core.decode(o.token_ids), token_ids=o.token_ids,
@@ -268,7 +269,7 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
             raise HTTPException(400, str(exc)) from exc
         params = SamplingParams(temperature=req.temperature, top_p=req.top_p, max_new_tokens=req.max_tokens,
                                 seed=req.seed, stop_token_ids=core.default_stop_ids())
-        batch = await core.generate([ids for ids in prompts for _ in range(req.n)], params, core.kv_config())
+        batch = await core.generate([ids for ids in prompts for _ in range(req.n)], params)
         metrics.requests.labels("completions").inc()
         _observe(metrics, core, batch)
         choices = []
@@ -309,7 +310,7 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
         return WeightsInfo(version=w.version, fingerprint=w.fingerprint, sync_state=w.sync_state,
                            last_error=w.last_error, last_sync=w.last_sync, engine=core.engine.name,
                            history=list(sync.history) if sync else [],
-                           registry_url=settings.registry_url)
+                           registry_url=settings.registry_url, kv_budget=_kv_budget(core))
 
     @app.get("/healthz")
     async def healthz(response: Response) -> dict:
@@ -366,6 +367,11 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
     app.state.rollout = state
     app.state.liveness = liveness
     return app
+
+
+def _kv_budget(core: RolloutCore) -> int | None:
+    kv = core.kv_config()
+    return None if kv.policy == "dense" else kv.budget
 
 
 def _observe(metrics: Metrics, core: RolloutCore, batch) -> None:

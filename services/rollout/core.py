@@ -57,12 +57,14 @@ def load_engine(settings: RolloutSettings, model_dir: Path) -> Engine:
 
 @dataclass
 class Batch:
-    """One engine call: the version of the weights that produced every output in it."""
+    """One engine call: the version of the weights that produced every output in it, and the KV
+    configuration it ran with."""
 
     version: int
     fingerprint: str
     outputs: list[GenerationOutput]
     seconds: float
+    kv: KVConfig
 
     @property
     def generated_tokens(self) -> int:
@@ -76,6 +78,10 @@ class WeightState:
     sync_state: str = "idle"  # idle | downloading | applying | failed
     last_error: str | None = None
     last_sync: dict[str, Any] = field(default_factory=dict)
+    # The KV budget published with `version` (the registry manifest's RolloutDirective; None: the
+    # worker's own), and the version it was read for (None: not read yet, the sync loop retries).
+    kv_budget: int | None = None
+    kv_budget_of: int | None = None
 
 
 class RolloutCore:
@@ -111,12 +117,14 @@ class RolloutCore:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
     def kv_config(self, policy: str | None = None, budget: int | None = None, **extra: Any) -> KVConfig:
+        """The KV configuration of a batch: a request's own values, else the budget published with
+        the weights held (services.rollout.sync), else the worker's settings."""
         if self.engine.name in DENSE_ONLY_ENGINES:
             return KVConfig(policy="dense")
         policy = policy or self.settings.kv_policy
         return KVConfig(
             policy=policy,
-            budget=budget or self.settings.kv_budget,
+            budget=budget or self.weights.kv_budget or self.settings.kv_budget,
             layer_budgets=extra.pop("layer_budgets", None) or (
                 self.settings.kv_layer_budgets if policy != "dense" else "uniform"),
             buffer=extra.pop("buffer", None) or self.settings.kv_buffer,
@@ -135,13 +143,17 @@ class RolloutCore:
                     f"model's context of {self.max_positions}"
                 )
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams, kv: KVConfig) -> Batch:
+    async def generate(self, prompts: list[list[int]], params: SamplingParams,
+                       kv: KVConfig | None = None) -> Batch:
+        """One engine batch; `kv` None: the worker's default (`kv_config()`) for the weights it
+        runs on, read under the engine lock so a budget swapped with the weights applies at once."""
         async with self.engine_lock:
             version, fp = self.weights.version, self.weights.fingerprint
+            kv = kv or self.kv_config()
             t0 = time.perf_counter()
             outputs = await asyncio.to_thread(self.engine.generate, prompts, params, kv)
             seconds = time.perf_counter() - t0
-        batch = Batch(version, fp, outputs, seconds)
+        batch = Batch(version, fp, outputs, seconds, kv)
         self.generated_tokens += batch.generated_tokens
         self.generation_seconds += seconds
         return batch

@@ -4,6 +4,12 @@ The sync itself is shared.registry.sync's `sync_weights`; this module gives it t
 `WeightTarget` (writes hold the engine lock, so they land at a batch boundary) and runs the loop
 that follows the registry's head. The weights are always exactly some published version; nothing
 unverified is ever served.
+
+Each version's manifest may carry a RolloutDirective (the trainer's adaptive KV budget,
+services.trainer.kv_budget). The sync reads the target's manifest before it swaps, and the budget
+changes with the weights under the same engine lock: every batch on a version's weights uses that
+version's budget. If the manifest cannot be read, the weights still move, the old budget stays,
+and the loop reads it again on its next round (batches meanwhile report the budget they used).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any, TypeVar
 
 import httpx
 import torch
+from pydantic import ValidationError
 from safetensors.torch import save_file
 
 from services.rollout.core import RolloutCore
@@ -25,6 +32,7 @@ from shared.health import Liveness
 from shared.registry.client import RegistryClient
 from shared.registry.errors import RegistryHTTPError
 from shared.registry.sync import WeightTarget, sync_weights
+from shared.registry.wire import Manifest
 from shared.retry import Outage, transient
 
 log = logging.getLogger(__name__)
@@ -62,11 +70,13 @@ async def bootstrap_model(client: RegistryClient, dest: Path) -> int:
 
 
 class EngineWeights(WeightTarget):
-    """The serving engine's weights: written under the engine lock, status kept in core.weights."""
+    """The serving engine's weights: written under the engine lock, status kept in core.weights.
+    `budgets`: the KV budget published with versions the sync may reach (read beforehand)."""
 
-    def __init__(self, core: RolloutCore) -> None:
+    def __init__(self, core: RolloutCore, budgets: dict[int, int | None] | None = None) -> None:
         super().__init__()
         self.core = core
+        self.budgets = budgets or {}
 
     def state(self) -> MutableMapping[str, torch.Tensor]:
         return self.core.engine.state_dict()
@@ -78,7 +88,10 @@ class EngineWeights(WeightTarget):
         self.core.engine.weights_updated(names)
 
     def reached(self, version: int, fingerprint: str) -> None:
-        self.core.weights.version, self.core.weights.fingerprint = version, fingerprint
+        weights = self.core.weights
+        weights.version, weights.fingerprint = version, fingerprint
+        if version in self.budgets:  # else the old budget stays until the loop reads this one's
+            weights.kv_budget, weights.kv_budget_of = self.budgets[version], version
 
     def phase(self, phase: str) -> None:
         self.core.weights.sync_state = phase
@@ -106,6 +119,8 @@ class WeightSync:
         backoff = self.poll_s
         while not stop.is_set():
             self.liveness.beat(LOOP)
+            if self.core.weights.kv_budget_of != self.core.weights.version:
+                await self.refresh_budget()  # bootstrapped, or its manifest could not be read
             try:
                 target = await _unless_stopped(
                     self.client.wait_for_version(self.core.weights.version, timeout=VERSION_WAIT_S,
@@ -128,8 +143,13 @@ class WeightSync:
     async def sync_to(self, target: int | None = None) -> int:
         """Bring the engine's weights to `target` (None: latest). Returns the version now held."""
         weights = self.core.weights
+        manifest = await self._manifest(target)
+        budgets = {manifest.version: manifest.rollout.kv_budget} if manifest is not None else {}
+        if manifest is not None:
+            target = manifest.version  # the version whose budget was read, also when asked for the latest
         try:
-            result = await sync_weights(self.client, EngineWeights(self.core), weights.version, target)
+            result = await sync_weights(self.client, EngineWeights(self.core, budgets), weights.version,
+                                        target)
         except Exception as exc:
             weights.sync_state, weights.last_error = "failed", str(exc)
             raise SyncFailed(str(exc)) from exc
@@ -154,6 +174,28 @@ class WeightSync:
         log.info("weights now at version %d (%s, %d bytes, %.2fs)", result.version, plan.kind,
                  plan.total_bytes, result.seconds)
         return result.version
+
+    async def _manifest(self, version: int | None) -> Manifest | None:
+        """The manifest of `version` (None: the head), or None if it cannot be read now: the KV
+        budget is then kept, never a reason to fail a sync."""
+        try:
+            return await (self.client.latest() if version is None else self.client.manifest(version))
+        except (RegistryHTTPError, httpx.HTTPError, OSError, ValidationError) as exc:
+            log.warning("cannot read the manifest of %s (%s): keeping KV budget %s, retrying next round",
+                        "the head" if version is None else f"v{version}", exc, self.core.weights.kv_budget)
+            return None
+
+    async def refresh_budget(self) -> None:
+        """Read the budget published with the version held (after a bootstrap or a failed read) and
+        apply it at a batch boundary; on failure keep the old one (the next round retries)."""
+        version = self.core.weights.version
+        manifest = await self._manifest(version) if version >= 0 else None
+        if manifest is None:
+            return
+        async with self.core.engine_lock:
+            weights = self.core.weights
+            if weights.version == version:
+                weights.kv_budget, weights.kv_budget_of = manifest.rollout.kv_budget, version
 
 
 async def _unless_stopped(coro: Awaitable[T], stop: asyncio.Event) -> T | None:

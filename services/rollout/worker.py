@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from services.rollout.core import Batch, RolloutCore
-from services.rollout.engine.config import GenerationOutput, SamplingParams
+from services.rollout.engine.config import GenerationOutput, KVConfig, SamplingParams
 from services.rollout.settings import RolloutSettings
 from services.rollout.sync import WeightSync
 from shared.agreement import served_kv_policy
@@ -71,7 +71,7 @@ class RolloutWorker:
             worker_id=s.worker_id,
             engine=core.engine.name,
             kv_policy=kv_policy,
-            kv_budget=None if kv_policy == "dense" else s.kv_budget,
+            kv_budget=None if kv_policy == "dense" else core.kv_config().budget,  # published or its own
             weight_version=core.weights.version,
             tokens_per_s=core.tokens_per_s,
             download_mbps=self.sync.download_mbps if self.sync else 0.0,
@@ -212,7 +212,7 @@ class RolloutWorker:
         params = SamplingParams(temperature=self.settings.temperature, top_p=self.settings.top_p,
                                 max_new_tokens=max_new, stop_token_ids=self.core.default_stop_ids(),
                                 seed=batch_seed([lease for lease, _ in runnable]))
-        return await self.core.generate(prompts, params, self.core.kv_config())
+        return await self.core.generate(prompts, params)  # the KV budget of the weights it runs on
 
     async def _fail(self, lease: Lease, exc: BaseException) -> None:
         error = f"{type(exc).__name__}: {exc}"
@@ -242,9 +242,10 @@ class RolloutWorker:
         return (lease.group.max_new_tokens or self.settings.max_new_tokens
                 or get_task(lease.group.task).max_new_tokens)
 
-    def _sampling(self) -> SamplingInfo:
-        """How this worker samples (the trainer refuses trajectories sampled otherwise than it assumes)."""
-        kv = self.core.kv_config()
+    def _sampling(self, kv: KVConfig | None = None) -> SamplingInfo:
+        """How this worker samples (the trainer refuses trajectories sampled otherwise than it
+        assumes); `kv`: what a batch ran with (default: what the next batch would use)."""
+        kv = kv or self.core.kv_config()
         return SamplingInfo(temperature=self.settings.temperature, top_p=self.settings.top_p, top_k=0,
                             engine=self.core.engine.name, kv_policy=kv.policy,
                             kv_budget=None if kv.policy == "dense" else kv.budget)
@@ -255,7 +256,7 @@ class RolloutWorker:
             group_id=lease.group_id, attempt=lease.attempt, policy_version=batch.version,
             worker_id=self.settings.worker_id, task=lease.group.task, prompt=lease.group.prompt,
             samples=score_samples(task, lease.group.answer or "", prompt_ids, outputs, self.core.decode),
-            sampling=self._sampling(), created_at=time.time(),
+            sampling=self._sampling(batch.kv), created_at=time.time(),
         )
 
 
