@@ -31,6 +31,7 @@ import torch
 from transformers import AutoTokenizer
 
 from services.trainer.distributed import make_learner
+from services.trainer.kv_budget import KVBudgetController, evidence_from_step
 from services.trainer.learner import Captured
 from services.trainer.ledger import GroupLedger
 from services.trainer.settings import TrainerSettings
@@ -41,7 +42,7 @@ from shared.patch import PatchHeader, read_header, save_snapshot
 from shared.registry.client import RegistryClient
 from shared.registry.errors import RegistryHTTPError
 from shared.registry.sync import sync_weights
-from shared.registry.wire import MODEL_FILES
+from shared.registry.wire import MODEL_FILES, Manifest, RolloutDirective
 from shared.retry import Outage, transient
 from shared.schemas import Trajectory
 from shared.tasks import get_task
@@ -113,6 +114,8 @@ class Trainer:
         self.redis_data_losses = 0  # times Redis was found without the run's data
         self._next_reconcile = 0.0
         self._stop = asyncio.Event()  # the run's stop event: ends outage waits at shutdown
+        # The workers' KV budget published with each version (services.trainer.kv_budget).
+        self.kv_control = KVBudgetController(settings.kv_control)
 
     # -- riding out outages --
 
@@ -140,7 +143,8 @@ class Trainer:
             await self._publish_model_files()
             full = self._cpu(await asyncio.to_thread(self.learner.full_published))
             data = await asyncio.to_thread(save_snapshot, full, run=self.settings.run, version=self.version)
-            await self._registry(lambda: self.registry.publish_snapshot(self.version, data))
+            rollout = self.rollout_directive()
+            await self._registry(lambda: self.registry.publish_snapshot(self.version, data, rollout))
             log.info("published snapshot v%d (%s) to a new run %r", self.version, fp, self.settings.run)
         elif latest.version == self.version and latest.fingerprint == fp:
             log.info("registry head v%d matches our weights (%s)", latest.version, fp)
@@ -157,6 +161,8 @@ class Trainer:
             raise RuntimeError(
                 f"registry run {self.settings.run!r} is at v{latest.version} ({latest.fingerprint}) but the "
                 f"trainer holds v{self.version} ({fp}): use another run name or the matching checkpoint")
+        if latest is not None:
+            self.resume_kv_control(latest)
         await self._redis(self.maintain)
         if self.settings.eval_every and self.step == 0:
             self.eval_baseline = await asyncio.to_thread(self.evaluate)
@@ -169,6 +175,14 @@ class Trainer:
             if path.is_file():
                 data = path.read_bytes()
                 await self._registry(functools.partial(self.registry.put_model_file, name, data))
+
+    def resume_kv_control(self, head: Manifest) -> None:
+        """Continue the KV budget from the head manifest (what the workers use now), not from the
+        controller's start; a checkpoint's controller state is older or the same."""
+        self.kv_control.resume(head.rollout.kv_budget, head.metrics, head.version)
+
+    def rollout_directive(self) -> RolloutDirective:
+        return RolloutDirective(kv_budget=self.kv_control.budget)
 
     def _load_published(self, state: dict[str, torch.Tensor], version: int) -> None:
         self.learner.load_published(state)
@@ -211,7 +225,8 @@ class Trainer:
                 captured = await asyncio.to_thread(self.learner.capture, snapshot)
                 metrics["capture_seconds"] = time.perf_counter() - t_capture
                 group_ids = [t.group_id for t in trajectories]
-                self._publish_task = asyncio.create_task(self.publish(captured, metrics, t0, group_ids))
+                self._publish_task = asyncio.create_task(
+                    self.publish(captured, metrics, t0, group_ids, self.rollout_directive()))
             await self._settle_published()
         finally:
             done = bool(self.settings.max_steps and self.step >= self.settings.max_steps)
@@ -329,6 +344,9 @@ class Trainer:
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, Any]:
         metrics = self.learner.train_step(trajectories, version=self.version)
         metrics["refused_trajectories"], self._refused_this_step = self._refused_this_step, 0
+        # The budget published with the version this step makes, from evidence at the budget in force.
+        evidence = evidence_from_step(trajectories, metrics, self.version, self.settings.kv_control.metric)
+        metrics |= self.kv_control.update(evidence, next_version=self.version + 1)
         if self.settings.eval_every and self.step % self.settings.eval_every == 0:
             metrics |= self.evaluate()
         return metrics
@@ -343,9 +361,10 @@ class Trainer:
     # -- publishing --
 
     async def publish(self, captured: Captured, metrics: dict[str, Any], t0: float,
-                      group_ids: Sequence[str] = ()) -> None:
+                      group_ids: Sequence[str] = (), rollout: RolloutDirective | None = None) -> None:
         """Build and upload the patch; while the registry is unreachable, wait for it (the step
-        is never dropped). `group_ids` are the groups trained in this step (settled once published)."""
+        is never dropped). `group_ids` are the groups trained in this step (settled once published);
+        `rollout` what the workers should use from this version on (the KV budget)."""
         base, target = self.version, self.version + 1
         t_extract = time.perf_counter()
         patch = await asyncio.to_thread(captured.make_patch, self.settings.run, base, target)
@@ -362,7 +381,7 @@ class Trainer:
         }
         t_up = time.perf_counter()
         try:
-            await self._registry(lambda: self._put_patch(target, patch, header, _jsonable(metrics)))
+            await self._registry(lambda: self._put_patch(target, patch, header, _jsonable(metrics), rollout))
             if captured.state is not None:
                 data = await asyncio.to_thread(save_snapshot, self._cpu(captured.state),
                                                run=self.settings.run, version=target)
@@ -386,9 +405,9 @@ class Trainer:
                  100 * metrics["changed_fraction"], len(patch), metrics["payload_ratio"])
 
     async def _put_patch(self, target: int, patch: bytes, header: PatchHeader,
-                         metrics: dict[str, Any]) -> None:
+                         metrics: dict[str, Any], rollout: RolloutDirective | None = None) -> None:
         try:
-            await self.registry.publish_patch(target, patch, metrics=metrics)
+            await self.registry.publish_patch(target, patch, metrics=metrics, rollout=rollout)
         except RegistryHTTPError as exc:
             # A try whose answer was lost may have landed: then the version is ours, not a conflict.
             if exc.status == 409:
@@ -416,6 +435,7 @@ class Trainer:
             "history": self.history,
             "rng": torch.get_rng_state(),
             "numpy_rng": np.random.get_state(),
+            "kv_control": self.kv_control.state(),
         }, tmp / "trainer.pt")
         old = self.checkpoint_dir.with_name(self.checkpoint_dir.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -433,6 +453,8 @@ class Trainer:
         self.version, self.history = ckpt["version"], ckpt["history"]
         torch.set_rng_state(ckpt["rng"])
         np.random.set_state(ckpt["numpy_rng"])
+        if self.kv_control.adaptive and "kv_control" in ckpt:  # the head manifest, if newer, wins (start)
+            self.kv_control.load_state(ckpt["kv_control"])
         self._checkpointed_step = self.step
         log.info("resumed from checkpoint: step %d, v%d", self.step, self.version)
 

@@ -79,6 +79,8 @@ class TrainerMetrics:
                 "payload_ratio": "Dense bf16 bytes / patch bytes",
                 "step_seconds": "Wall time of the last step",
                 "kv_saved": "KV memory the samplers saved vs a dense cache",
+                "kv_budget": "KV budget published with the last version (the workers' from it on)",
+                "kv_signal": "The KV budget controller's smoothed mismatch signal",
             }.items()
         }
         self.coord = Gauge("coord", "Coordination counters and depths", ["name"], registry=registry)
@@ -235,6 +237,10 @@ class TrainerService:
             # Trajectories the trainer would not train on (sampling contract), by reason.
             "refused_trajectories": dict(trainer.refused) if trainer else {},
             "heldout_baseline": trainer.eval_baseline if trainer else None,
+            # The KV budget published with the last version and the controller behind it.
+            "kv_control": ({"mode": settings.kv_control.mode, "metric": settings.kv_control.metric,
+                            "target": settings.kv_control.target} | trainer.kv_control.state()
+                           if trainer else None),
         }
 
     async def versions(self) -> dict[str, Any]:
