@@ -142,8 +142,11 @@ class KVBudgetController:
                     if self.budget != own:  # clamped: the evidence was sampled at another budget
                         self.since = next_version
             self._observe(cells)
+        signal, evidence = self.signal, self.evidence  # what the decision saw (a move resets them)
+        if self.adaptive:
             self._decide(next_version)
-        return self.report()
+        return {"kv_budget": self.budget, "kv_signal": signal, "kv_evidence": evidence,
+                "kv_budget_since": self.since}
 
     def _observe(self, cells: list[Evidence]) -> None:
         total = sum(c.sequences for c in cells)
@@ -166,32 +169,28 @@ class KVBudgetController:
         elif self.signal < s.target * (1 - s.deadband):
             self._move(self._clamp(self.budget - s.step), next_version)
 
-    def report(self) -> dict[str, Any]:
-        """What the step's metrics carry (and a restarted trainer resumes from)."""
-        return {"kv_budget": self.budget, "kv_signal": self.signal, "kv_evidence": self.evidence,
-                "kv_budget_since": self.since}
-
     def resume(self, budget: int | None, metrics: Mapping[str, Any], version: int) -> None:
-        """Continue from what was published last (the head manifest): its budget and the
-        controller's figures in its metrics; without them the budget counts from `version`. Fixed
-        mode publishes its own setting whatever was published before."""
+        """Continue from what was published last (the head manifest, `version`): its budget and,
+        unless the budget moved with that version, the signal and evidence in its step metrics
+        (`update`'s report); without them the budget counts from `version`. Fixed mode publishes
+        its own setting whatever was published before."""
         if budget is None or not self.adaptive:
             return
         self.budget = self._clamp(budget)
-        since = metrics.get("kv_budget_since")
-        if self.budget == budget and metrics.get("kv_budget") == budget and isinstance(since, int):
-            signal, evidence = metrics.get("kv_signal"), metrics.get("kv_evidence")
+        since, signal, evidence = (metrics.get(k) for k in ("kv_budget_since", "kv_signal", "kv_evidence"))
+        if (self.budget == budget and metrics.get("kv_budget") == budget and isinstance(since, int)
+                and since < version):
             self.since = since
             self.signal = float(signal) if isinstance(signal, int | float) else None
-            self.evidence = int(evidence) if isinstance(evidence, int) else 0
-        else:
+            self.evidence = evidence if isinstance(evidence, int) else 0
+        else:  # moved with this version, or figures that do not describe its budget
             self.since, self.signal, self.evidence = version, None, 0
 
     def state(self) -> dict[str, Any]:
-        return self.report() | {"kv_moves": self.moves}
+        """The whole state, for a checkpoint (`load_state`) and the trainer's status."""
+        return {"kv_budget": self.budget, "kv_budget_since": self.since, "kv_signal": self.signal,
+                "kv_evidence": self.evidence, "kv_moves": self.moves}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
-        """A checkpoint's `state()`."""
         self.budget, self.since = state["kv_budget"], state["kv_budget_since"]
-        self.signal, self.evidence = state["kv_signal"], state["kv_evidence"]
-        self.moves = state.get("kv_moves", 0)
+        self.signal, self.evidence, self.moves = state["kv_signal"], state["kv_evidence"], state["kv_moves"]

@@ -23,8 +23,10 @@ def _at(budget: int | None, value: float, version: int = 0, sequences: int = 100
 def test_raises_the_budget_when_the_signal_is_over_target() -> None:
     c = _controller()
     report = c.update(_at(32, 0.5), next_version=1)
-    assert report["kv_budget"] == 40 and c.since == 1
-    assert report["kv_signal"] is None and report["kv_evidence"] == 0  # a move starts a fresh signal
+    # The report says what the decision saw; a move starts a fresh signal.
+    assert (report["kv_budget"], report["kv_budget_since"], report["kv_signal"], report["kv_evidence"]) == (
+        40, 1, 0.5, 100)
+    assert (c.signal, c.evidence) == (None, 0)
 
 
 def test_lowers_the_budget_when_under_target() -> None:
@@ -96,14 +98,17 @@ def test_adaptive_without_a_start_adopts_the_workers_budget() -> None:
 
 def test_resumes_from_the_head_manifest() -> None:
     before = _controller()
-    before.update(_at(32, 0.9), next_version=1)
-    before.update(_at(40, 0.33, version=1, sequences=5), next_version=2)
-    head_metrics = before.report()
+    moved = before.update(_at(32, 0.9), next_version=1)
+    head_metrics = before.update(_at(40, 0.33, version=1, sequences=5), next_version=2)
     after = _controller()  # a restarted trainer: its start would be 32
     after.resume(head_metrics["kv_budget"], head_metrics, version=2)
-    assert after.report() == head_metrics
+    assert after.state() == before.state() | {"kv_moves": 0}
     # 5 more sequences reach min_sequences (10): the resumed evidence counts.
     assert after.update(_at(40, 0.9, version=2, sequences=5), next_version=3)["kv_budget"] == 48
+    # Resumed at the version the budget moved with: the signal behind that move is the old budget's.
+    fresh = _controller()
+    fresh.resume(moved["kv_budget"], moved, version=1)
+    assert (fresh.budget, fresh.since, fresh.signal, fresh.evidence) == (40, 1, None, 0)
     # A manifest whose metrics do not describe its budget: the budget, counted from that version.
     other = _controller()
     other.resume(56, {"kv_budget": 40, "kv_signal": 0.1}, version=7)
