@@ -6,6 +6,9 @@ Arms (Sparse-RL, arXiv 2601.10079; REFERENCE §1):
              tokens are trained on as if the dense policy had sampled them
   sparse_rl  R-KV rollouts with the sequence veto, the token mask and ξ reweighting
   tis        (optional) R-KV rollouts with truncated, normalised ξ weights only
+  adaptive   (optional) sparse_rl with the trainer's KV budget controller (services.trainer.
+             kv_budget, settings `kv_control`) moving the rollout budget between steps from the
+             calibrated one; each step row records `rollout_kv_budget` and the controller's report
 
 Every arm runs synchronously (staleness 0) in a process of its own, with the services' code: our
 engine (`LLMEngine`) samples a batch, `services.rollout.worker.score_samples` scores it, the
@@ -48,6 +51,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from services.rollout.calibration import calibrate, evaluate, generate
 from services.rollout.engine import KVConfig, LLMEngine
 from services.rollout.worker import score_samples
+from services.trainer.kv_budget import KVBudgetController, KVControlSettings, evidence_from_step
 from services.trainer.learner import Learner
 from services.trainer.loss import CorrectionConfig, LossConfig
 from services.trainer.settings import TrainerSettings
@@ -73,6 +77,9 @@ ARMS: dict[str, tuple[str, LossConfig]] = {  # name -> (rollout KV policy, loss 
                           LossConfig(corrections=CorrectionConfig(divergence_rule="truncate_negative"))),
     "sparse_rl_unscaled": ("rkv", LossConfig(scale_lr_by_survivors=False)),
 }
+# Sparse-RL's corrections with the rollout budget moved by the trainer's controller (issue 26).
+ADAPTIVE = "adaptive"
+ARMS[ADAPTIVE] = ARMS["sparse_rl"]
 # Fixed before the runs (issue 12). Accuracy = held-out T = 1 accuracy under dense inference,
 # mean over seeds; "sparse" = under R-KV at the training budget.
 CRITERIA = {
@@ -104,6 +111,9 @@ class LearningConfig(BaseModel):
     keep_prompt: bool = True
     calibration_prompts: int = 512
     min_kv_ratio: float = 0.5  # the budget keeps at least this share of the dense accuracy
+    # The adaptive arm's controller; its mode is adaptive whatever is set here, and an unset
+    # start_budget starts it at the training budget (kv_budget, or the calibrated one).
+    kv_control: KVControlSettings = Field(default_factory=KVControlSettings)
     eval_every: int = 25
     eval_prompts: int = 1000
     eval_batch: int = 1000
@@ -200,6 +210,11 @@ def run_arm(cfg: LearningConfig, arm: str, seed: int, model_dir: Path, budget: i
     modes = eval_modes(budget, cfg)
     train_kv = KVConfig(policy="dense") if policy == "dense" else modes["sparse"]
     held_out = task.make_prompts(cfg.eval_prompts, seed=EVAL_SEED)
+    controller = None
+    if arm == ADAPTIVE:
+        start = cfg.kv_control.start_budget or budget
+        controller = KVBudgetController(KVControlSettings.model_validate(
+            cfg.kv_control.model_dump() | {"mode": "adaptive", "start_budget": start}))
     started = time.perf_counter()
     with out.open("w") as f:
         def emit(row: dict[str, Any]) -> None:
@@ -234,8 +249,14 @@ def run_arm(cfg: LearningConfig, arm: str, seed: int, model_dir: Path, budget: i
             t_gen = time.perf_counter() - t0
             metrics = learner.train_step(trajectories, version=step)
             sync_weights(learner, engine)
-            emit({"type": "step", **metrics, "generate_seconds": t_gen, "seconds": time.perf_counter() - t0,
-                  "elapsed": time.perf_counter() - started})
+            control: dict[str, Any] = {
+                "rollout_kv_budget": None if train_kv.policy == "dense" else train_kv.budget}
+            if controller is not None:  # the next step's budget, as a published version carries it
+                cells = evidence_from_step(trajectories, metrics, step, controller.settings.metric)
+                control |= controller.update(cells, next_version=step + 1)
+                train_kv = train_kv.model_copy(update={"budget": control["kv_budget"]})
+            emit({"type": "step", **metrics, **control, "generate_seconds": t_gen,
+                  "seconds": time.perf_counter() - t0, "elapsed": time.perf_counter() - started})
 
 
 # -- calibration, orchestration, criteria --
