@@ -19,6 +19,7 @@ import httpx
 from rich.console import Console
 from rich.markup import escape
 
+from services.trainer.kv_budget import KVControlSettings
 from services.views import human_bytes, registry_version_row, step_summary, versions_table, workers_table
 from shared.kv import KV_POLICIES
 from shared.schemas import DEFAULT_RUN
@@ -258,12 +259,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from services.demo.options import DemoOptions
     from services.demo.supervisor import run_demo
 
+    if args.kv_min and args.kv_max and args.kv_min > args.kv_max:
+        raise UsageError(f"--kv-min {args.kv_min} is above --kv-max {args.kv_max}")
     given = dict(
         steps=args.steps, workers=args.workers, kv_policy=args.kv_policy, kv_budget=args.kv_budget,
         groups_per_step=args.groups, samples_per_prompt=args.samples, keep_running=args.keep_running,
         folder=Path(args.dir), model=args.model, lr=args.lr, token=args.token, device=args.device,
         kv_buffer=args.kv_buffer, kv_keep_prompt=args.kv_keep_prompt, kv_calibrate=args.kv_calibrate,
-        digits=args.digits, seed=args.seed,
+        digits=args.digits, seed=args.seed, kv_adaptive=args.kv_adaptive, kv_target=args.kv_target,
+        kv_min=args.kv_min, kv_max=args.kv_max,
         report=Path(args.report) if args.report else None,
     )
     # Options left out take DemoOptions' defaults: they are defined there once.
@@ -339,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Ctrl-C stops every process it started.",
     )
     defaults = demo_defaults()
+    kv_defaults = KVControlSettings()  # the trainer's: the demo passes only what is given
     demo.add_argument("--steps", type=_positive, help=f"training steps (default {defaults.steps})")
     demo.add_argument("--workers", type=_positive, help=f"rollout workers (default {defaults.workers})")
     demo.add_argument("--kv-policy", choices=KV_POLICIES,
@@ -351,6 +356,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="raise --kv-budget (steps of 4, up to twice it) until the sparse sampler keeps "
                            "RATIO of the model's dense accuracy, measured before training and cached "
                            "(e.g. 0.7; default off)")
+    demo.add_argument("--kv-adaptive", action="store_true", default=None,
+                      help="let the trainer move the workers' KV budget between versions to hold the "
+                           "veto rate at --kv-target, from --kv-budget within [--kv-min, --kv-max] "
+                           "(docs/training.md, \"Adaptive KV budget\"; default off)")
+    demo.add_argument("--kv-target", type=_share, metavar="RATE",
+                      help=f"veto rate the adaptive budget holds (default {kv_defaults.target})")
+    demo.add_argument("--kv-min", type=_positive, metavar="N",
+                      help=f"smallest adaptive KV budget (default {kv_defaults.min_budget})")
+    demo.add_argument("--kv-max", type=_positive, metavar="N",
+                      help=f"largest adaptive KV budget (default {kv_defaults.max_budget})")
     demo.add_argument("--kv-keep-prompt", action=argparse.BooleanOptionalAction,
                       help="never evict the prompt; the budget then counts generated tokens only "
                            f"(default {'on' if defaults.kv_keep_prompt else 'off'}: Sparse-RL's semantics)")

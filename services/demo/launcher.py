@@ -261,8 +261,20 @@ class Stack:
             "SPARSECAST_COLLECT_TIMEOUT_S": "60",
             "OMP_NUM_THREADS": "2",
         }
-        self.python("trainer", "services.trainer", env)
+        self.python("trainer", "services.trainer", env | self.kv_control_env())
         self.urls["trainer"] = f"http://127.0.0.1:{port}"
+
+    def kv_control_env(self) -> dict[str, str]:
+        """The trainer's KV budget controller (TrainerSettings.kv_control): adaptive from the workers'
+        budget, held inside the bounds given; nothing when off (the trainer's fixed default)."""
+        o = self.o
+        if not o.kv_adaptive or o.kv_policy == "dense":
+            return {}
+        start = max(o.kv_budget, o.kv_min or o.kv_budget)
+        start = min(start, o.kv_max or start)
+        given = {"MODE": "adaptive", "START_BUDGET": start, "TARGET": o.kv_target, "MIN_BUDGET": o.kv_min,
+                 "MAX_BUDGET": o.kv_max}
+        return {f"SPARSECAST_KV_CONTROL__{k}": str(v) for k, v in given.items() if v is not None}
 
     def start_workers(self) -> None:
         for n in range(1, self.o.workers + 1):

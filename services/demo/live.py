@@ -33,6 +33,9 @@ def view(o: DemoOptions, status: dict[str, Any], history: list[dict[str, Any]], 
     )
     grid.add_row("KV saved", f"{pct(last.get('kv_saved'))} with {o.kv_policy}@{o.kv_budget} "
                              f"(peak {human_bytes(last.get('kv_peak_bytes_mean'))} per sequence)")
+    if o.kv_adaptive:  # the budget the trainer published with its last version, and why
+        grid.add_row("KV budget", f"{last.get('kv_budget') or o.kv_budget} tokens from the next swap "
+                                  f"(adaptive: veto rate smoothed {pct(last.get('kv_signal'))})")
     grid.add_row("corrections", f"rejected {pct(last.get('rejection_rate'))}, masked "
                                 f"{pct(last.get('token_mask_rate'))} of tokens")
     q = status.get("queue") or {}
@@ -77,7 +80,7 @@ def summary(o: DemoOptions, f: dict[str, Any], dashboard: str, log_dir: Path) ->
     table.add_row("weights changed per step", pct(f["changed_fraction"], 2))
     table.add_row("KV per sequence (sparse vs dense)",
                   f"{human_bytes(f['kv_sparse_bytes_mean'])} vs {human_bytes(f['kv_dense_bytes_mean'])}: "
-                  f"{pct(f['kv_saved'])} saved ({o.kv_policy}, budget {o.kv_budget} tokens"
+                  f"{pct(f['kv_saved'])} saved ({o.kv_policy}, budget {kv_budget_text(o, f)} tokens"
                   f"{' + the prompt' if o.kv_keep_prompt else ', prompt included'})")
     table.add_row("corrections: sequences vetoed / tokens masked",
                   f"{pct(f['rejection_rate'])} / {pct(f['token_mask_rate'])}")
@@ -97,6 +100,14 @@ def summary(o: DemoOptions, f: dict[str, Any], dashboard: str, log_dir: Path) ->
     table.add_row("dashboard", f"{dashboard}/" + ("" if o.keep_running else " (while running)"))
     table.add_row("logs", str(log_dir))
     return table
+
+
+def kv_budget_text(o: DemoOptions, f: dict[str, Any]) -> str:
+    """The workers' budget, or with the adaptive controller its first → last published value."""
+    first, last = f.get("kv_budget_first"), f.get("kv_budget_last")
+    if not o.kv_adaptive or first is None or last is None:
+        return str(o.kv_budget)
+    return f"{first} → {last} (adaptive)"
 
 
 def trend(history: list[dict[str, Any]], key: str, as_pct: bool = False) -> str:

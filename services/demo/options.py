@@ -42,6 +42,13 @@ class DemoOptions:
     # calibration; cached per model). None: `kv_budget` as given. For a model the default cache hurts
     # too much to learn from (docs/training.md, "On another machine: the warm start decides").
     kv_calibrate: float | None = None
+    # The trainer's adaptive KV budget (services.trainer.kv_budget; off by default): from kv_budget,
+    # moved within [kv_min, kv_max] between versions to hold the veto rate at kv_target; the workers
+    # follow at their next weight swap. None: the trainer's defaults (docs/training.md).
+    kv_adaptive: bool = False
+    kv_target: float | None = None
+    kv_min: int | None = None
+    kv_max: int | None = None
     seed: int = 0  # the trainer's seed and the prompts' (each step's prompts are fresh)
     digits: tuple[int, int] | None = None  # addition's digit range; default the task's own
     report: Path | None = None  # write the run's history, versions and summary as JSON here

@@ -134,6 +134,9 @@ class Demo(Stack):
             "kv_sparse_bytes_mean": sparse_kv,
             "kv_dense_bytes_mean": sparse_kv / (1 - kv_saved) if sparse_kv and kv_saved is not None else None,
             "rejection_rate": mean("rejection_rate", history),
+            # The budget published with the first and the last version (the adaptive controller's).
+            "kv_budget_first": next((r["kv_budget"] for r in history if r.get("kv_budget")), None),
+            "kv_budget_last": next((r["kv_budget"] for r in reversed(history) if r.get("kv_budget")), None),
             "token_mask_rate": mean("token_mask_rate", history),
             "workers": {
                 f"demo-worker-{n}": {"version": v, "tokens_per_s": speeds.get(f"demo-worker-{n}")}

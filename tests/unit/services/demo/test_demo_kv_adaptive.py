@@ -1,0 +1,73 @@
+"""The demo's adaptive KV budget options: off by default, passed to the trainer as the
+SPARSECAST_KV_CONTROL__* settings it reads, and shown in the summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from services import cli
+from services.demo.launcher import Stack
+from services.demo.live import summary
+from services.demo.options import DemoOptions
+from services.trainer.settings import TrainerSettings
+
+
+def _options(monkeypatch: pytest.MonkeyPatch, *argv: str) -> DemoOptions:
+    seen: list[DemoOptions] = []
+    monkeypatch.setattr("services.demo.supervisor.run_demo", lambda options: seen.append(options) or 0)
+    assert cli.main(["demo", *argv]) == 0
+    return seen[0]
+
+
+def _trainer_settings(monkeypatch: pytest.MonkeyPatch, options: DemoOptions,
+                      tmp_path: Path) -> TrainerSettings:
+    stack = Stack(options)
+    for key, value in stack.kv_control_env().items():
+        monkeypatch.setenv(key, value)
+    stack.http.close()
+    return TrainerSettings(data_dir=str(tmp_path))
+
+
+def test_off_by_default_the_trainer_keeps_its_fixed_mode(monkeypatch: pytest.MonkeyPatch,
+                                                         tmp_path: Path) -> None:
+    options = _options(monkeypatch)
+    assert options == DemoOptions()  # the demo's defaults are untouched
+    stack = Stack(options)
+    assert stack.kv_control_env() == {}
+    stack.http.close()
+    assert _trainer_settings(monkeypatch, options, tmp_path).kv_control.mode == "fixed"
+
+
+def test_the_options_reach_the_trainer(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    options = _options(monkeypatch, "--kv-adaptive", "--kv-target", "0.4", "--kv-min", "24", "--kv-max", "48")
+    assert (options.kv_adaptive, options.kv_target, options.kv_min, options.kv_max) == (True, 0.4, 24, 48)
+    kv = _trainer_settings(monkeypatch, options, tmp_path).kv_control
+    assert (kv.mode, kv.target, kv.min_budget, kv.max_budget, kv.start_budget) == (
+        "adaptive", 0.4, 24, 48, 32)
+    # A start outside the bounds given starts at the nearest bound (the trainer would refuse it).
+    above = _trainer_settings(monkeypatch, DemoOptions(kv_adaptive=True, kv_min=40), tmp_path).kv_control
+    assert (above.start_budget, above.min_budget) == (40, 40)
+    assert cli.main(["demo", "--kv-adaptive", "--kv-min", "64", "--kv-max", "32"]) == cli.EXIT_USAGE
+
+
+def test_the_summary_shows_the_budget_it_moved(tmp_path: Path) -> None:
+    figures: dict[str, Any] = {
+        "steps": 60, "wall_seconds": 74.0, "versions": 61, "patches": 60, "dense_bytes": 1_207_424,
+        "patch_bytes_mean": 139_093.0, "reward_first3": 0.075, "reward_last3": 0.085,
+        "accuracy_first3": 0.2, "accuracy_last3": 0.35, "heldout_accuracy_start": 0.5,
+        "heldout_accuracy_end": 0.7, "changed_fraction": 0.26, "kv_saved": 0.4,
+        "kv_sparse_bytes_mean": 52_221.0, "kv_dense_bytes_mean": 111_830.0, "rejection_rate": 0.3,
+        "token_mask_rate": 0.01, "workers": {}, "kv_budget_first": 32, "kv_budget_last": 44,
+    }
+
+    def text(options: DemoOptions) -> str:
+        console = Console(record=True, width=300)
+        console.print(summary(options, figures, "http://127.0.0.1:1", tmp_path))
+        return console.export_text()
+
+    assert "budget 32 → 44 (adaptive) tokens" in text(DemoOptions(kv_adaptive=True))
+    assert "budget 32 tokens" in text(DemoOptions())
