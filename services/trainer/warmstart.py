@@ -24,6 +24,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -83,6 +84,13 @@ class WarmstartRecipe(BaseModel):
     # Label smoothing of the SFT targets: a less confident model whose sampled (T = 1) accuracy sits
     # well below its greedy accuracy, which is the room RL's sharpening has to gain in.
     label_smoothing: float = Field(default=0.0, ge=0.0, lt=1.0)
+    # Eviction-aware SFT: this share of each batch is trained under the attention the rollout engine
+    # would give it with the KV cache `evict_kv` (services.rollout.engine.replay: the engine replays
+    # the example under the model's current weights, in bf16 as workers hold them, and each layer and
+    # KV head sees only what the cache kept). The model then learns to add under the eviction it
+    # will be sampled with, whatever the machine's arithmetic makes of its attention (0: dense SFT).
+    evict_share: float = Field(default=0.0, ge=0.0, le=1.0)
+    evict_kv: dict[str, int | str | bool] = Field(default_factory=dict)  # KVConfig fields
 
     def fingerprint(self) -> str:
         """Hash of everything that determines the weights: recipe, vocab, code version."""
@@ -147,6 +155,21 @@ def _sft_batch(examples: list[tuple[str, str]], tokenizer: PreTrainedTokenizerFa
     return {"input_ids": input_ids, "attention_mask": attention, "labels": label_ids}
 
 
+def _evicted_rows(evict: Any, model: Qwen3ForCausalLM, batch: dict[str, torch.Tensor],
+                  examples: list[tuple[str, str]], chosen: list[int],
+                  tokenizer: PreTrainedTokenizerFast) -> torch.Tensor:
+    """Layer masks of the batch: the `chosen` rows under the engine's replayed eviction, the rest causal."""
+    from services.trainer.evicted_sft import batch_masks
+
+    prompts = [tokenizer(examples[i][0])["input_ids"] for i in chosen]
+    completions = [tokenizer(examples[i][1], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                   for i in chosen]
+    seen = evict(model, prompts, completions).to(batch["input_ids"].device)
+    config = model.config
+    return batch_masks(batch["attention_mask"], config.num_hidden_layers, config.num_key_value_heads or 1,
+                       dict(zip(chosen, seen, strict=True)))
+
+
 def _sample_examples(
     tasks: dict[str, Task], mix: dict[str, float], n: int, rng: random.Random
 ) -> list[tuple[str, str]]:
@@ -183,6 +206,13 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
             recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
         )
 
+    evict = None
+    if recipe.evict_share:
+        from services.rollout.engine import KVConfig
+        from services.trainer.evicted_sft import LAYER_MASKED, EvictionMasks
+
+        evict = EvictionMasks(config, KVConfig.model_validate(recipe.evict_kv), device)
+        model.set_attn_implementation(LAYER_MASKED)
     model.train()
     losses, checks = [], []
     steps_done = 0
@@ -194,6 +224,10 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
         batch = _sft_batch(examples, tokenizer, local, recipe.local_window)
         batch = {k: v.to(device) for k, v in batch.items()}
         labels = batch.pop("labels")
+        if evict is not None:
+            chosen = [i for i in range(len(examples)) if rng.random() < recipe.evict_share]
+            if chosen:
+                batch["layer_masks"] = _evicted_rows(evict, model, batch, examples, chosen, tokenizer)
         logits = model(**batch).logits[:, :-1]
         loss = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]),
@@ -228,6 +262,8 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
                 break
     train_s = time.perf_counter() - started
 
+    if evict is not None:
+        model.set_attn_implementation("sdpa")  # what the saved config names
     # The saved weights are bf16; scored in fp32 where this CPU only emulates bf16 (exact both ways).
     model = model.to(torch.bfloat16).to(compute_dtype(device, torch.bfloat16))
     metrics = {}

@@ -1,0 +1,77 @@
+"""Eviction-aware SFT: train a model under the attention its compressed-cache sampler gives it.
+
+`EvictionMasks` replays examples on the rollout engine (services.rollout.engine.replay) with the
+model's current weights and returns, per layer and KV head, what each query could see. The
+attention registered here as `LAYER_MASKED` applies such a mask per layer inside a transformers
+model (`model(..., layer_masks=masks)`); without `layer_masks` it is plain SDPA, so generation and
+evaluation of the same model object are unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PretrainedConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from services.rollout.engine import KVConfig, LLMEngine
+from services.rollout.engine.replay import visible_positions
+
+LAYER_MASKED = "sparsecast_layer_masked"
+
+
+def _layer_masked_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                            scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    masks: torch.Tensor | None = kwargs.pop("layer_masks", None)
+    if masks is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    # [B, layers, Hkv, T, T] → this layer's [B, Hq, T, T] (query head i reads KV head i // group).
+    mask = masks[:, cast(int, module.layer_idx)].repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(LAYER_MASKED, _layer_masked_attention)
+AttentionMaskInterface.register(LAYER_MASKED, sdpa_mask)  # the 2-D mask → SDPA's, for the fallback
+
+
+class EvictionMasks:
+    """The rollout engine (bf16 weights, as a worker holds them) under one KV config, fed a model's
+    weights before each replay."""
+
+    def __init__(self, config: PretrainedConfig, kv: KVConfig, device: torch.device) -> None:
+        self.kv = kv
+        self.engine = LLMEngine(copy.deepcopy(config), device=device, dtype=torch.bfloat16)
+
+    def __call__(self, model: torch.nn.Module, prompts: list[list[int]],
+                 completions: list[list[int]]) -> torch.Tensor:
+        """visible_positions of these examples under `model`'s weights now."""
+        live = self.engine.state_dict()
+        with torch.no_grad():
+            for name, tensor in model.state_dict().items():
+                if name in live:
+                    live[name].copy_(tensor)
+        self.engine.weights_updated(set(live))
+        return visible_positions(self.engine, prompts, completions, self.kv)
+
+
+def batch_masks(attention: torch.Tensor, layers: int, kv_heads: int,
+                rows: dict[int, torch.Tensor]) -> torch.Tensor:
+    """Layer masks [B, layers, Hkv, T, T] for a right-padded batch: causal over real tokens (each
+    query also sees itself, so padding rows stay finite) and, for the rows in `rows`, their replayed
+    visibility (cut or padded to the batch's width)."""
+    batch, width = attention.shape
+    slots = torch.arange(width, device=attention.device)
+    causal = (slots[None, :] <= slots[:, None])[None] & attention.bool()[:, None, :]
+    causal |= torch.eye(width, dtype=torch.bool, device=attention.device)[None]
+    masks = causal[:, None, None].expand(batch, layers, kv_heads, width, width).clone()
+    for row, seen in rows.items():
+        n = min(width, seen.shape[-1])
+        masks[row, :, :, :n, :n] = seen[:, :, :n, :n]
+    return masks
