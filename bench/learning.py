@@ -76,6 +76,8 @@ ARMS: dict[str, tuple[str, LossConfig]] = {  # name -> (rollout KV policy, loss 
     "truncate_negative": ("rkv",
                           LossConfig(corrections=CorrectionConfig(divergence_rule="truncate_negative"))),
     "sparse_rl_unscaled": ("rkv", LossConfig(scale_lr_by_survivors=False)),
+    # The trainer recomputes log-probs under the sampler's replayed eviction (LossConfig.recompute).
+    "replayed": ("rkv", LossConfig(recompute="replayed")),
 }
 # Sparse-RL's corrections with the rollout budget moved by the trainer's controller (issue 26).
 ADAPTIVE = "adaptive"
@@ -171,8 +173,10 @@ def eval_modes(budget: int, cfg: LearningConfig) -> dict[str, KVConfig]:
 
 def rollout(engine: LLMEngine, tokenizer: PreTrainedTokenizerBase, task: Task, pairs: list[tuple[str, str]],
             cfg: LearningConfig, kv: KVConfig, seed: int, step: int) -> list[Trajectory]:
+    sparse = kv.policy != "dense"
     sampling = SamplingInfo(temperature=cfg.temperature, kv_policy=kv.policy,
-                            kv_budget=None if kv.policy == "dense" else kv.budget)
+                            kv_budget=kv.budget if sparse else None,
+                            kv_config=kv.model_dump(mode="json") if sparse else None)
     results = generate(engine, tokenizer, task, [p for p, _ in pairs], cfg.samples, kv, cfg.temperature, seed,
                        batch=len(pairs) * cfg.samples)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731

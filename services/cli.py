@@ -267,7 +267,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         folder=Path(args.dir), model=args.model, lr=args.lr, token=args.token, device=args.device,
         kv_buffer=args.kv_buffer, kv_keep_prompt=args.kv_keep_prompt, kv_calibrate=args.kv_calibrate,
         digits=args.digits, seed=args.seed, kv_adaptive=args.kv_adaptive, kv_target=args.kv_target,
-        kv_min=args.kv_min, kv_max=args.kv_max,
+        kv_min=args.kv_min, kv_max=args.kv_max, recompute=args.recompute,
         report=Path(args.report) if args.report else None,
     )
     # Options left out take DemoOptions' defaults: they are defined there once.
@@ -366,6 +366,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"smallest adaptive KV budget (default {kv_defaults.min_budget})")
     demo.add_argument("--kv-max", type=_positive, metavar="N",
                       help=f"largest adaptive KV budget (default {kv_defaults.max_budget})")
+    demo.add_argument("--recompute", choices=["dense", "replayed"],
+                      help="how the trainer recomputes log-probs: with a dense cache (Sparse-RL's "
+                           "correction) or under the workers' replayed eviction "
+                           f"(default {defaults.recompute}; docs/training.md, \"Eviction replay\")")
     demo.add_argument("--kv-keep-prompt", action=argparse.BooleanOptionalAction,
                       help="never evict the prompt; the budget then counts generated tokens only "
                            f"(default {'on' if defaults.kv_keep_prompt else 'off'}: Sparse-RL's semantics)")

@@ -85,6 +85,9 @@ class SamplingInfo(BaseModel):
     engine: str = "native"
     kv_policy: str = "dense"
     kv_budget: int | None = None
+    # The whole KV cache config of a sparse batch (the engine's KVConfig fields): what the trainer's
+    # eviction replay (LossConfig.recompute = "replayed") runs the engine with.
+    kv_config: dict[str, Any] | None = None
 
 
 class Trajectory(BaseModel):

@@ -253,6 +253,7 @@ class Stack:
             "SPARSECAST_GROUPS_PER_STEP": str(o.groups_per_step),
             "SPARSECAST_SAMPLES_PER_PROMPT": str(o.samples_per_prompt),
             "SPARSECAST_LR": str(o.lr),
+            "SPARSECAST_LOSS__RECOMPUTE": o.recompute,
             "SPARSECAST_SEED": str(o.seed),
             # A held-out check with a dense cache before the first step and every third of the run.
             "SPARSECAST_EVAL_EVERY": str(max(1, o.steps // 3)),

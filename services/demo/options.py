@@ -49,6 +49,9 @@ class DemoOptions:
     kv_target: float | None = None
     kv_min: int | None = None
     kv_max: int | None = None
+    # How the trainer recomputes log-probs (LossConfig.recompute): "dense" (Sparse-RL) or "replayed"
+    # under the workers' replayed eviction (docs/training.md, "Eviction replay").
+    recompute: str = "dense"
     seed: int = 0  # the trainer's seed and the prompts' (each step's prompts are fresh)
     digits: tuple[int, int] | None = None  # addition's digit range; default the task's own
     report: Path | None = None  # write the run's history, versions and summary as JSON here

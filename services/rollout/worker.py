@@ -246,9 +246,11 @@ class RolloutWorker:
         """How this worker samples (the trainer refuses trajectories sampled otherwise than it
         assumes); `kv`: what a batch ran with (default: what the next batch would use)."""
         kv = kv or self.core.kv_config()
+        sparse = kv.policy != "dense"
         return SamplingInfo(temperature=self.settings.temperature, top_p=self.settings.top_p, top_k=0,
                             engine=self.core.engine.name, kv_policy=kv.policy,
-                            kv_budget=None if kv.policy == "dense" else kv.budget)
+                            kv_budget=kv.budget if sparse else None,
+                            kv_config=kv.model_dump(mode="json") if sparse else None)
 
     def _trajectory(self, lease: Lease, prompt_ids: list[int], outputs: list, batch: Batch) -> Trajectory:
         task = get_task(lease.group.task)

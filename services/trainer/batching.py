@@ -24,6 +24,8 @@ class TrainBatch:
     kv_peak_tokens: torch.Tensor  # [B] tokens the sampler's cache held at its peak
     kv_peak_bytes: torch.Tensor  # [B]
     kv_evicted: torch.Tensor  # [B]
+    # [B, layers, Hkv, L, L]: the sampler's replayed attention (LossConfig.recompute = "replayed")
+    layer_masks: torch.Tensor | None = None
 
     @property
     def sequences(self) -> int:

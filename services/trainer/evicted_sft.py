@@ -42,23 +42,26 @@ AttentionMaskInterface.register(LAYER_MASKED, sdpa_mask)  # the 2-D mask → SDP
 
 
 class EvictionMasks:
-    """The rollout engine (bf16 weights, as a worker holds them) under one KV config, fed a model's
-    weights before each replay."""
+    """The rollout engine with bf16 weights, as a worker holds them, fed a model's weights before
+    each replay."""
 
-    def __init__(self, config: PretrainedConfig, kv: KVConfig, device: torch.device) -> None:
-        self.kv = kv
-        self.engine = LLMEngine(copy.deepcopy(config), device=device, dtype=torch.bfloat16)
+    def __init__(self, config: PretrainedConfig, device: torch.device,
+                 compute_dtype: torch.dtype | None = None) -> None:
+        """compute_dtype: what the replay computes in (default: what a worker on this device computes
+        bf16 weights in, shared.dtypes.compute_dtype)."""
+        self.engine = LLMEngine(copy.deepcopy(config), device=device, dtype=torch.bfloat16,
+                                compute_dtype=compute_dtype)
 
-    def __call__(self, model: torch.nn.Module, prompts: list[list[int]],
-                 completions: list[list[int]]) -> torch.Tensor:
-        """visible_positions of these examples under `model`'s weights now."""
+    def __call__(self, model: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]],
+                 kv: KVConfig) -> torch.Tensor:
+        """visible_positions of these examples under `model`'s weights now and the cache `kv`."""
         live = self.engine.state_dict()
         with torch.no_grad():
             for name, tensor in model.state_dict().items():
                 if name in live:
                     live[name].copy_(tensor)
         self.engine.weights_updated(set(live))
-        return visible_positions(self.engine, prompts, completions, self.kv)
+        return visible_positions(self.engine, prompts, completions, kv)
 
 
 def batch_masks(attention: torch.Tensor, layers: int, kv_heads: int,

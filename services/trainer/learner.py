@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import warnings
 from collections.abc import Callable, Sequence
@@ -35,7 +36,7 @@ from services.trainer.rollout_math import token_logprobs
 from services.trainer.settings import TrainerSettings
 from shared.dtypes import compute_dtype
 from shared.patch import dense_bytes, extract_patch, fingerprint
-from shared.schemas import Trajectory
+from shared.schemas import Sample, Trajectory
 from shared.tasks import Task
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,16 @@ class Learner:
             frozen = AutoModelForCausalLM.from_pretrained(model_dir).eval()
             frozen.to(compute_dtype(self.device, frozen.dtype))
             frozen.requires_grad_(False)
+        self.evict = None
+        if settings.loss.recompute == "replayed":
+            from services.trainer.evicted_sft import LAYER_MASKED, EvictionMasks
+
+            for m in (model, frozen):
+                if m is not None:
+                    m.set_attn_implementation(LAYER_MASKED)
+            # Replayed in the precision the learner computes in (a worker's, where bf16 is native).
+            precision = torch.bfloat16 if self.bf16 else torch.float32
+            self.evict = EvictionMasks(model.config, self.device, precision)
         self.model, self.ref_model = self._prepare(model, frozen)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr,
                                            weight_decay=settings.weight_decay,
@@ -128,7 +139,10 @@ class Learner:
         """One rollout batch → `ppo_updates` optimizer steps. `version`: the weights' version now,
         for staleness (default: the newest version among the trajectories)."""
         s = self.settings
-        batch = collate(trajectories, self.pad_id).to(self.device)
+        batch = collate(trajectories, self.pad_id)
+        if self.evict is not None:
+            batch.layer_masks = self._replayed_masks(trajectories, batch)
+        batch = batch.to(self.device)
         if version is None:
             version = max(batch.policy_versions)
         advantages = grpo_advantages(batch.rewards, batch.group_index)
@@ -225,6 +239,33 @@ class Learner:
             for group, lr in zip(groups, base, strict=True):
                 group["lr"] = lr
 
+    def _replayed_masks(self, trajectories: Sequence[Trajectory], batch: TrainBatch) -> torch.Tensor:
+        """What each sampled token's query saw in the sampler's compressed cache, per layer and KV head:
+        the engine replays every sparse-cache sample under the weights now (the version it was sampled
+        with when staleness is 0) and its trajectory's KV config; dense samples see the causal prompt."""
+        from services.rollout.engine import KVConfig
+        from services.trainer.evicted_sft import batch_masks
+
+        if self.world_size > 1:
+            raise NotImplementedError("eviction replay runs in one process (recompute='replayed')")
+        assert self.evict is not None
+        by_config: dict[str, list[tuple[int, Sample]]] = {}
+        row = 0
+        for t in trajectories:
+            kv = t.sampling.kv_config if t.sampling is not None else None
+            for sample in t.samples:
+                if kv is not None:
+                    by_config.setdefault(json.dumps(kv, sort_keys=True), []).append((row, sample))
+                row += 1
+        seen: dict[int, torch.Tensor] = {}
+        for key, rows in by_config.items():
+            cache = KVConfig.model_validate(json.loads(key))
+            visible = self.evict(self.model, [x.prompt_ids for _, x in rows],
+                                 [x.completion_ids for _, x in rows], cache)
+            seen.update({r: v.cpu() for (r, _), v in zip(rows, visible, strict=True)})
+        config = cast(PreTrainedModel, self.model).config
+        return batch_masks(batch.attention_mask, config.num_hidden_layers, config.num_key_value_heads, seen)
+
     def _micro_batches(self, minibatch: torch.Tensor) -> list[torch.Tensor]:
         """This process's micro-batches of a minibatch (an empty one: run _idle_pass)."""
         return list(minibatch.split(self.settings.micro_batch))
@@ -269,8 +310,9 @@ class Learner:
         parts = []
         for chunk in rows.split(self.settings.micro_batch):
             with self._autocast():
+                masks = None if batch.layer_masks is None else batch.layer_masks[chunk]
                 parts.append(token_logprobs(model, batch.input_ids[chunk], batch.attention_mask[chunk],
-                                            batch.completion_mask[chunk], self.settings.temperature))
+                                            batch.completion_mask[chunk], self.settings.temperature, masks))
         return torch.cat(parts)
 
     def _autocast(self) -> contextlib.AbstractContextManager:

@@ -65,6 +65,11 @@ class LossConfig(BaseModel):
     # step at all, and one with survivors takes a step of lr × their share of its sequences.
     min_surviving_sequences: int = Field(1, ge=1, description="survivors a minibatch needs for a step")
     scale_lr_by_survivors: bool = True
+    # How the trainer computes the old and new policies' log-probs (docs/training.md, "Eviction
+    # replay"): "dense" with a full cache (Sparse-RL: ξ corrects the sampler's compression);
+    # "replayed" under the attention the sampler's compressed cache gave each token, replayed by
+    # the rollout engine, so the policy is trained as it samples (ξ then only carries weight lag).
+    recompute: Literal["dense", "replayed"] = "dense"
 
 
 @dataclass(frozen=True)

@@ -25,17 +25,21 @@ def token_logprobs(
     attention_mask: torch.Tensor,
     completion_mask: torch.Tensor,
     temperature: float = 1.0,
+    layer_masks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[B, L] fp32: log p(input_ids[:, t] | input_ids[:, :t]) where completion_mask is 1, else 0.
 
     Aligned with `input_ids` (the log-prob of token t sits at t, computed from the logits at t − 1),
     which is the layout `services.trainer.loss` expects. Gradients flow when the caller has them
     enabled (the policy pass) and not under `torch.no_grad()` (old-policy and reference passes).
+    `layer_masks` [B, layers, Hkv, L, L]: what each query may attend to, per layer and KV head (the
+    sampler's replayed eviction, services.trainer.evicted_sft; the model must use its attention).
     """
+    extra = {} if layer_masks is None else {"layer_masks": layer_masks}
     if completion_mask[:, 0].any():
         raise ValueError("completion_mask marks position 0, which has no preceding logits")
     logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=position_ids_from_mask(attention_mask), use_cache=False).logits
+                   position_ids=position_ids_from_mask(attention_mask), use_cache=False, **extra).logits
     logits = logits[:, :-1].float()
     if temperature > 0:
         logits = logits / temperature

@@ -155,7 +155,7 @@ def _sft_batch(examples: list[tuple[str, str]], tokenizer: PreTrainedTokenizerFa
     return {"input_ids": input_ids, "attention_mask": attention, "labels": label_ids}
 
 
-def _evicted_rows(evict: Any, model: Qwen3ForCausalLM, batch: dict[str, torch.Tensor],
+def _evicted_rows(evict: Any, kv: Any, model: Qwen3ForCausalLM, batch: dict[str, torch.Tensor],
                   examples: list[tuple[str, str]], chosen: list[int],
                   tokenizer: PreTrainedTokenizerFast) -> torch.Tensor:
     """Layer masks of the batch: the `chosen` rows under the engine's replayed eviction, the rest causal."""
@@ -164,7 +164,7 @@ def _evicted_rows(evict: Any, model: Qwen3ForCausalLM, batch: dict[str, torch.Te
     prompts = [tokenizer(examples[i][0])["input_ids"] for i in chosen]
     completions = [tokenizer(examples[i][1], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                    for i in chosen]
-    seen = evict(model, prompts, completions).to(batch["input_ids"].device)
+    seen = evict(model, prompts, completions, kv).to(batch["input_ids"].device)
     config = model.config
     return batch_masks(batch["attention_mask"], config.num_hidden_layers, config.num_key_value_heads or 1,
                        dict(zip(chosen, seen, strict=True)))
@@ -211,7 +211,7 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
         from services.rollout.engine import KVConfig
         from services.trainer.evicted_sft import LAYER_MASKED, EvictionMasks
 
-        evict = EvictionMasks(config, KVConfig.model_validate(recipe.evict_kv), device)
+        evict, evict_kv = EvictionMasks(config, device), KVConfig.model_validate(recipe.evict_kv)
         model.set_attn_implementation(LAYER_MASKED)
     model.train()
     losses, checks = [], []
@@ -227,7 +227,8 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
         if evict is not None:
             chosen = [i for i in range(len(examples)) if rng.random() < recipe.evict_share]
             if chosen:
-                batch["layer_masks"] = _evicted_rows(evict, model, batch, examples, chosen, tokenizer)
+                batch["layer_masks"] = _evicted_rows(evict, evict_kv, model, batch, examples, chosen,
+                                                     tokenizer)
         logits = model(**batch).logits[:, :-1]
         loss = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]),

@@ -254,15 +254,21 @@ class KVCache:
         return any(n >= limit for n, limit in zip(self.lengths, self._limits, strict=True))
 
     def compress(self) -> list[int]:
-        """Evict each layer down to protected + its budget per row; returns tokens evicted per row
-        (per KV head, the mean over the layers, rounded)."""
+        """Evict each layer of each row that reached its limit down to protected + its budget;
+        returns tokens evicted per row (per KV head, the mean over the layers, rounded).
+
+        Only the rows at their own limit: a row's cache then depends on its own tokens alone, never
+        on when its batch-mates fill up (batch-invariant, so the trainer can replay a sequence's
+        eviction by itself: engine/replay.py)."""
         dev = self.device
         per_layer: list[list[int]] = []
         evicted = [0] * self.batch
         masks: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[torch.Tensor, ...]] = {}
+        due = [n >= limit for n, limit in zip(self.lengths, self._limits, strict=True)]
         for layer in range(self.num_layers):
             lengths = self.layer_lengths(layer)
-            keep = [min(n, p + self.budgets[layer]) for n, p in zip(lengths, self.protected, strict=True)]
+            keep = [min(n, p + self.budgets[layer]) if d else n
+                    for n, p, d in zip(lengths, self.protected, due, strict=True)]
             per_layer.append(keep)
             if keep == lengths:
                 continue

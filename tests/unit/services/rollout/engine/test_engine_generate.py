@@ -171,3 +171,20 @@ def test_batched_rows_equal_their_solo_runs_across_stops_and_evictions(policy: s
         assert out.token_ids == solo.token_ids and out.finish_reason == solo.finish_reason
         assert out.logprobs == pytest.approx(solo.logprobs, abs=1e-4)
         assert out.kv == solo.kv
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o", "rkv"])
+@pytest.mark.parametrize("keep_prompt", [False, True])
+def test_a_sequence_is_evicted_alike_alone_or_in_any_batch(policy: str, keep_prompt: bool) -> None:
+    """A row compresses when it reaches its own budget + buffer, never because a batch-mate did: its
+    cache, tokens and log-probs do not depend on the batch (what lets the trainer replay it alone)."""
+    _, ours = tiny_pair("qwen3")
+    engine = LLMEngine(ours)
+    kv = KVConfig(policy=policy, budget=8, buffer=3, window=2, keep_prompt=keep_prompt)
+    params = SamplingParams(temperature=0.0, max_new_tokens=30)
+    together = engine.generate(PROMPTS, params, kv)
+    for prompt, out in zip(PROMPTS, together, strict=True):
+        alone = engine.generate([prompt], params, kv)[0]
+        assert out.token_ids == alone.token_ids
+        assert out.kv.evicted == alone.kv.evicted and out.kv.peak_tokens == alone.kv.peak_tokens
+        assert torch.allclose(torch.tensor(out.logprobs), torch.tensor(alone.logprobs), atol=1e-4)

@@ -18,9 +18,9 @@ HEADS, KV_HEADS, DIM, LAYERS = 4, 2, 8, 2
 
 
 def _drive(kv: KVConfig, prompt_lengths: list[int], steps: int, seed: int = 0,
-           keys: torch.Tensor | None = None, layers: int = LAYERS) -> KVCache:
+           keys: torch.Tensor | None = None, layers: int = LAYERS, compress: bool = True) -> KVCache:
     """Run a cache through prefill and `steps` decode steps with random q/k/v, compressing as the engine
-    does."""
+    does (unless `compress` is False)."""
     gen = torch.Generator().manual_seed(seed)
     batch, width = len(prompt_lengths), max(prompt_lengths)
     cache = KVCache(num_layers=layers, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
@@ -47,7 +47,7 @@ def _drive(kv: KVConfig, prompt_lengths: list[int], steps: int, seed: int = 0,
         positions = positions + 1
         for layer in range(layers):
             assert max(cache.layer_lengths(layer)) <= cache.capacities[layer] == cache.k[layer].shape[2]
-        if cache.needs_compression():
+        if compress and cache.needs_compression():
             cache.compress()
     return cache
 
@@ -109,9 +109,9 @@ def test_compaction_moves_keys_and_values_with_their_positions() -> None:
 
 
 def test_h2o_keeps_the_heaviest_accumulated_attention() -> None:
-    kv = KVConfig(policy="h2o", budget=8, buffer=4, window=2, keep_prompt=False)
-    cache = _drive(kv, [4], steps=7)  # 11 stored: below budget + buffer, nothing evicted yet
-    assert cache.lengths == [11] and not cache.needs_compression()
+    kv = KVConfig(policy="h2o", budget=8, buffer=3, window=2, keep_prompt=False)
+    cache = _drive(kv, [4], steps=7, compress=False)  # 11 stored = budget + buffer, nothing evicted yet
+    assert cache.lengths == [11] and cache.needs_compression()
     acc = cache.attn_acc[:, 0, :, :11]
     lightest = acc[0, 0, :9].argmin().item()
     acc[0, 0, lightest] += 100.0  # make the least-attended token a heavy hitter

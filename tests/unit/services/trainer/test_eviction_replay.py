@@ -1,0 +1,84 @@
+"""LossConfig.recompute = "replayed": the trainer recomputes the policy's log-probs under the
+attention the sampler's compressed cache gave each token, so ξ carries no KV mismatch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
+from services.rollout.models.decoder import load_pretrained
+from services.rollout.worker import score_samples
+from services.trainer.learner import Learner
+from services.trainer.settings import TrainerSettings
+from shared.schemas import SamplingInfo, Trajectory
+from shared.tasks import get_task
+
+
+@pytest.fixture(scope="module")
+def sharp_model_dir(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny model with sharp attention (q-norm gains × 6): a random model attends almost
+    uniformly, so what the cache evicts would barely change its log-probs."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.mul_(6.0)
+    out = tmp_path_factory.mktemp("sharp-model")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
+    return str(out)
+
+
+def _trajectories(model_dir: str, kv: KVConfig) -> list[Trajectory]:
+    # fp32 sampler and learner: what remains of the mismatch is the KV cache's, not bf16 rounding.
+    engine = LLMEngine(load_pretrained(model_dir), compute_dtype=torch.float32)
+    task = get_task("addition")
+    prompts = [[1, 10, 11, 12, 13, 14, 15], [1, 20, 21, 22, 23], [1, 30, 31, 32, 33, 34, 35, 36]]
+    out = []
+    for g, prompt in enumerate(prompts):
+        params = SamplingParams(temperature=1.0, max_new_tokens=24, seed=g)
+        outputs = engine.generate([prompt] * 4, params, kv)
+        sparse = kv.policy != "dense"
+        sampling = SamplingInfo(temperature=1.0, kv_policy=kv.policy, kv_budget=kv.budget if sparse else None,
+                                kv_config=kv.model_dump(mode="json") if sparse else None)
+        samples = score_samples(task, "1", prompt, outputs, lambda ids: "x")
+        for i, s in enumerate(samples):  # rewards with variance, so every group has an advantage
+            s.reward = float(i % 2)
+        out.append(Trajectory(group_id=f"g{g}", attempt=1, policy_version=0, worker_id="w", task="addition",
+                              prompt="p", samples=samples, sampling=sampling))
+    return out
+
+
+def _learner(model_dir: str, tmp_path: Path, recompute: str) -> Learner:
+    settings = TrainerSettings(model=model_dir, data_dir=str(tmp_path), device="cpu", lr=1e-3, ppo_updates=1,
+                               bf16_autocast=False, loss={"recompute": recompute})
+    return Learner(settings, Path(model_dir), pad_id=0)
+
+
+@pytest.mark.parametrize("keep_prompt", [False, True])
+def test_replayed_recompute_removes_the_kv_mismatch(sharp_model_dir: str, tmp_path: Path,
+                                                    keep_prompt: bool) -> None:
+    kv = KVConfig(policy="rkv", budget=6, buffer=2, window=2, keep_prompt=keep_prompt)
+    trajectories = _trajectories(sharp_model_dir, kv)
+    assert all(s.kv.evicted > 0 for t in trajectories for s in t.samples)
+    dense = _learner(sharp_model_dir, tmp_path / "dense", "dense").train_step(trajectories)
+    replayed_learner = _learner(sharp_model_dir, tmp_path / "replayed", "replayed")
+    before = {k: v.clone() for k, v in replayed_learner.model.state_dict().items()}
+    replayed = replayed_learner.train_step(trajectories)
+    # The sampler's own attention (fp32 on both sides): its log-probs, where the dense cache differs.
+    assert replayed["kl_old_sampler"] < 1e-5 < 1e-3 < dense["kl_old_sampler"]
+    assert replayed["rejection_rate"] == 0.0 and replayed["token_mask_rate"] == 0.0
+    assert replayed["updates"] == 1
+    moved = any(not torch.equal(v, before[k]) for k, v in replayed_learner.model.state_dict().items())
+    assert moved
+
+
+def test_dense_samples_replay_as_causal(sharp_model_dir: str, tmp_path: Path) -> None:
+    trajectories = _trajectories(sharp_model_dir, KVConfig(policy="dense"))
+    dense = _learner(sharp_model_dir, tmp_path / "dense", "dense").train_step(trajectories)
+    replayed = _learner(sharp_model_dir, tmp_path / "replayed", "replayed").train_step(trajectories)
+    assert replayed["kl_old_sampler"] == pytest.approx(dense["kl_old_sampler"], abs=1e-4)
+    assert replayed["loss"] == pytest.approx(dense["loss"], abs=1e-4)
