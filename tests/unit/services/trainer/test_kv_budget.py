@@ -142,3 +142,22 @@ def test_settings_validate_and_come_from_the_environment(monkeypatch: pytest.Mon
     monkeypatch.setenv("SPARSECAST_KV_CONTROL__MAX_BUDGET", "96")
     kv = TrainerSettings(data_dir="x").kv_control
     assert (kv.mode, kv.target, kv.max_budget, kv.min_budget) == ("adaptive", 0.1, 96, 16)
+
+
+def test_a_reversal_halves_the_step_so_the_budget_settles() -> None:
+    """The veto rate is over target at 56 and under it at 64 (a GPU run swung 56 <-> 64 every
+    version with a fixed step of 8): halving the step on each reversal settles it in between."""
+    c = _controller(start_budget=56, max_budget=96, step=8)
+
+    def rate(budget: int) -> float:  # falls with the budget; inside the band (0.24-0.36) at 60-61
+        return 0.30 + (60.5 - budget) * 0.02 if 58 <= budget <= 63 else (0.5 if budget < 58 else 0.1)
+
+    budgets = []
+    for v in range(12):
+        budgets.append(c.update(_at(c.budget, rate(c.budget), version=v), next_version=v + 1)["kv_budget"])
+    assert budgets[:3] == [64, 60, 60]  # up by 8, down by 4 (reversal), then inside the band
+    assert set(budgets[2:]) == {60}
+    c2 = _controller(start_budget=32, step=8)
+    # Same direction twice: the step stays whole.
+    moves = [c2.update(_at(c2.budget, 0.9, version=v), next_version=v + 1)["kv_budget"] for v in range(2)]
+    assert moves == [40, 48]
