@@ -10,6 +10,7 @@ evaluation of the same model object are unchanged.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
@@ -52,12 +53,13 @@ class EvictionMasks:
         self.engine = LLMEngine(copy.deepcopy(config), device=device, dtype=torch.bfloat16,
                                 compute_dtype=compute_dtype)
 
-    def __call__(self, model: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]],
-                 kv: KVConfig) -> torch.Tensor:
-        """visible_positions of these examples under `model`'s weights now and the cache `kv`."""
+    def __call__(self, weights: Mapping[str, torch.Tensor], prompts: list[list[int]],
+                 completions: list[list[int]], kv: KVConfig) -> torch.Tensor:
+        """visible_positions of these examples under `weights` (a model's state_dict, HF names) and
+        the cache `kv`."""
         live = self.engine.state_dict()
         with torch.no_grad():
-            for name, tensor in model.state_dict().items():
+            for name, tensor in weights.items():
                 if name in live:
                     live[name].copy_(tensor)
         self.engine.weights_updated(set(live))

@@ -41,6 +41,9 @@ from shared.tasks import Task
 
 log = logging.getLogger(__name__)
 
+# Eviction replay keeps the bf16 weights of this many recent versions, so samples up to this stale
+# replay under the weights that drew them (the demo's workers run one version behind).
+REPLAY_VERSIONS = 4
 # Correction metrics reported per staleness (trainer version − sampling version): with staleness
 # > 0, ξ mixes weight lag with KV sparsity, so the two are only comparable split this way.
 _BY_STALENESS = ("xi_mean", "kl_old_sampler", "rejection_rate", "token_mask_rate")
@@ -116,6 +119,7 @@ class Learner:
             # Replayed in the precision the learner computes in (a worker's, where bf16 is native).
             precision = torch.bfloat16 if self.bf16 else torch.float32
             self.evict = EvictionMasks(model.config, self.device, precision)
+        self._sampled_weights: dict[int, dict[str, torch.Tensor]] = {}  # bf16 weights by version
         self.model, self.ref_model = self._prepare(model, frozen)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr,
                                            weight_decay=settings.weight_decay,
@@ -140,8 +144,10 @@ class Learner:
         for staleness (default: the newest version among the trajectories)."""
         s = self.settings
         batch = collate(trajectories, self.pad_id)
+        if version is None:
+            version = max(batch.policy_versions)
         if self.evict is not None:
-            batch.layer_masks = self._replayed_masks(trajectories, batch)
+            batch.layer_masks = self._replayed_masks(trajectories, batch, version)
         batch = batch.to(self.device)
         if version is None:
             version = max(batch.policy_versions)
@@ -239,30 +245,42 @@ class Learner:
             for group, lr in zip(groups, base, strict=True):
                 group["lr"] = lr
 
-    def _replayed_masks(self, trajectories: Sequence[Trajectory], batch: TrainBatch) -> torch.Tensor:
+    def _replayed_masks(self, trajectories: Sequence[Trajectory], batch: TrainBatch,
+                        version: int) -> torch.Tensor | None:
         """What each sampled token's query saw in the sampler's compressed cache, per layer and KV head:
-        the engine replays every sparse-cache sample under the weights now (the version it was sampled
-        with when staleness is 0) and its trajectory's KV config; dense samples see the causal prompt."""
+        the engine replays every sparse-cache sample under the weights of the version that sampled it
+        (kept for the last REPLAY_VERSIONS versions; older ones replay under the weights now) and its
+        trajectory's KV config; dense samples see the causal prompt. None when no sample was sparse.
+        The masks are dense booleans, B × layers × KV heads × L² bytes: fine for the demo and bench
+        shapes, not for billion-parameter models at thousands of tokens."""
         from services.rollout.engine import KVConfig
         from services.trainer.evicted_sft import batch_masks
 
         if self.world_size > 1:
             raise NotImplementedError("eviction replay runs in one process (recompute='replayed')")
         assert self.evict is not None
-        by_config: dict[str, list[tuple[int, Sample]]] = {}
+        # The weights now are version `version`'s (published after the last step): keep them, so
+        # that samples a worker draws from them while the next steps train replay exactly.
+        self._sampled_weights[version] = published_state(self.model)
+        for old in sorted(self._sampled_weights)[:-REPLAY_VERSIONS]:
+            del self._sampled_weights[old]
+        by_config: dict[tuple[str, int], list[tuple[int, Sample]]] = {}
         row = 0
         for t in trajectories:
             kv = t.sampling.kv_config if t.sampling is not None else None
+            weights = t.policy_version if t.policy_version in self._sampled_weights else version
             for sample in t.samples:
                 if kv is not None:
-                    by_config.setdefault(json.dumps(kv, sort_keys=True), []).append((row, sample))
+                    by_config.setdefault((json.dumps(kv, sort_keys=True), weights), []).append((row, sample))
                 row += 1
         seen: dict[int, torch.Tensor] = {}
-        for key, rows in by_config.items():
+        for (key, weights), rows in by_config.items():
             cache = KVConfig.model_validate(json.loads(key))
-            visible = self.evict(self.model, [x.prompt_ids for _, x in rows],
+            visible = self.evict(self._sampled_weights[weights], [x.prompt_ids for _, x in rows],
                                  [x.completion_ids for _, x in rows], cache)
             seen.update({r: v.cpu() for (r, _), v in zip(rows, visible, strict=True)})
+        if not seen:
+            return None
         config = cast(PreTrainedModel, self.model).config
         return batch_masks(batch.attention_mask, config.num_hidden_layers, config.num_key_value_heads, seen)
 

@@ -164,7 +164,7 @@ def _evicted_rows(evict: Any, kv: Any, model: Qwen3ForCausalLM, batch: dict[str,
     prompts = [tokenizer(examples[i][0])["input_ids"] for i in chosen]
     completions = [tokenizer(examples[i][1], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                    for i in chosen]
-    seen = evict(model, prompts, completions, kv).to(batch["input_ids"].device)
+    seen = evict(model.state_dict(), prompts, completions, kv).to(batch["input_ids"].device)
     config = model.config
     return batch_masks(batch["attention_mask"], config.num_hidden_layers, config.num_key_value_heads or 1,
                        dict(zip(chosen, seen, strict=True)))

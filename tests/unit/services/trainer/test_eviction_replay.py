@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
 from services.rollout.models.decoder import load_pretrained
 from services.rollout.worker import score_samples
+from services.trainer.batching import collate
 from services.trainer.learner import Learner
 from services.trainer.settings import TrainerSettings
 from shared.schemas import SamplingInfo, Trajectory
@@ -82,3 +83,27 @@ def test_dense_samples_replay_as_causal(sharp_model_dir: str, tmp_path: Path) ->
     replayed = _learner(sharp_model_dir, tmp_path / "replayed", "replayed").train_step(trajectories)
     assert replayed["kl_old_sampler"] == pytest.approx(dense["kl_old_sampler"], abs=1e-4)
     assert replayed["loss"] == pytest.approx(dense["loss"], abs=1e-4)
+
+
+def test_stale_samples_replay_under_the_weights_that_drew_them(sharp_model_dir: str, tmp_path: Path) -> None:
+    kv = KVConfig(policy="rkv", budget=6, buffer=2, window=2, keep_prompt=False)
+    trajectories = _trajectories(sharp_model_dir, kv)  # drawn by version 0
+    learner = _learner(sharp_model_dir, tmp_path, "replayed")
+    for group in learner.optimizer.param_groups:
+        group["lr"] = 3e-2  # a large step, so that version 1 evicts otherwise
+    learner.train_step(trajectories, version=0)
+    assert learner.evict is not None
+    v0 = learner._sampled_weights[0]
+    prompts = [s.prompt_ids for t in trajectories for s in t.samples]
+    completions = [s.completion_ids for t in trajectories for s in t.samples]
+    batch = collate(trajectories, pad_id=0)
+    masks = learner._replayed_masks(trajectories, batch, version=1)  # one version stale
+    assert masks is not None and set(learner._sampled_weights) == {0, 1}
+    width = masks.shape[-1]
+    under_v0 = learner.evict(v0, prompts, completions, kv)[..., :width, :width]
+    under_v1 = learner.evict(learner._sampled_weights[1], prompts, completions, kv)[..., :width, :width]
+    assert not torch.equal(under_v0, under_v1)  # the step changed what the cache keeps
+    real = batch.attention_mask.bool()
+    for row in range(len(prompts)):
+        n = int(real[row].sum())
+        assert torch.equal(masks[row, :, :, :n, :n], under_v0[row, :, :, :n, :n])
