@@ -49,9 +49,13 @@ class DemoOptions:
     kv_target: float | None = None
     kv_min: int | None = None
     kv_max: int | None = None
-    # How the trainer recomputes log-probs (LossConfig.recompute): "dense" (Sparse-RL) or "replayed"
-    # under the workers' replayed eviction (docs/training.md, "Eviction replay").
-    recompute: str = "dense"
+    # How the trainer recomputes log-probs (LossConfig.recompute): "replayed" under the workers'
+    # eviction, replayed by the engine, or "dense" (Sparse-RL's ξ correction). Replayed for the demo:
+    # with a dense recompute the warm start of a machine whose arithmetic leaves it at 0 % under this
+    # cache (an AVX512-BF16 CPU) vetoed 98 % of its samples and learned nothing; replayed, the same
+    # model's batches rose 0 → 25 % (docs/training.md, "The demo"). The trainer service's default
+    # stays "dense": replay's masks only fit small models.
+    recompute: str = "replayed"
     seed: int = 0  # the trainer's seed and the prompts' (each step's prompts are fresh)
     digits: tuple[int, int] | None = None  # addition's digit range; default the task's own
     report: Path | None = None  # write the run's history, versions and summary as JSON here
