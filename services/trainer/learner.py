@@ -149,8 +149,6 @@ class Learner:
         if self.evict is not None:
             batch.layer_masks = self._replayed_masks(trajectories, batch, version)
         batch = batch.to(self.device)
-        if version is None:
-            version = max(batch.policy_versions)
         advantages = grpo_advantages(batch.rewards, batch.group_index)
         mask = batch.completion_mask
         self.model.train()

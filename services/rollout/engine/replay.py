@@ -3,9 +3,11 @@
 A rollout worker generating under a KV budget decodes each token against the cache as its policy
 left it. `visible_positions` runs the engine's own prefill, decode and compression steps over
 given completions (teacher forcing, no sampling) and records, for every layer, KV head and query
-position, which positions were stored. Training a model under these masks (the warm start's
-`evict_share`, services.trainer.warmstart) teaches it to predict as the sparse sampler will run it:
-the exact eviction of the engine, not an approximation of it.
+position, which positions were stored: the exact eviction of the engine, not an approximation of
+it (a row compresses on its own schedule, so one sequence replays alike alone or in any batch).
+Two users: the trainer's eviction replay (LossConfig.recompute = "replayed") recomputes the
+policy's log-probs under these masks, and the eviction-aware warm start (`evict_share`,
+services.trainer.warmstart) trains a model under them.
 """
 
 from __future__ import annotations
