@@ -111,7 +111,7 @@ class Learner:
             frozen.requires_grad_(False)
         self.evict = None
         if settings.loss.recompute == "replayed":
-            from services.trainer.evicted_sft import LAYER_MASKED, EvictionMasks
+            from services.trainer.eviction_masks import LAYER_MASKED, EvictionMasks
 
             for m in (model, frozen):
                 if m is not None:
@@ -252,7 +252,7 @@ class Learner:
         The masks are dense booleans, B × layers × KV heads × L² bytes: fine for the demo and bench
         shapes, not for billion-parameter models at thousands of tokens."""
         from services.rollout.engine import KVConfig
-        from services.trainer.evicted_sft import batch_masks
+        from services.trainer.eviction_masks import batch_masks
 
         if self.world_size > 1:
             raise NotImplementedError("eviction replay runs in one process (recompute='replayed')")

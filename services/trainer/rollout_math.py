@@ -33,7 +33,7 @@ def token_logprobs(
     which is the layout `services.trainer.loss` expects. Gradients flow when the caller has them
     enabled (the policy pass) and not under `torch.no_grad()` (old-policy and reference passes).
     `layer_masks` [B, layers, Hkv, L, L]: what each query may attend to, per layer and KV head (the
-    sampler's replayed eviction, services.trainer.evicted_sft; the model must use its attention).
+    sampler's replayed eviction, services.trainer.eviction_masks; the model must use its attention).
     """
     extra = {} if layer_masks is None else {"layer_masks": layer_masks}
     if completion_mask[:, 0].any():

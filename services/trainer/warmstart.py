@@ -159,7 +159,7 @@ def _evicted_rows(evict: Any, kv: Any, model: Qwen3ForCausalLM, batch: dict[str,
                   examples: list[tuple[str, str]], chosen: list[int],
                   tokenizer: PreTrainedTokenizerFast) -> torch.Tensor:
     """Layer masks of the batch: the `chosen` rows under the engine's replayed eviction, the rest causal."""
-    from services.trainer.evicted_sft import batch_masks
+    from services.trainer.eviction_masks import batch_masks
 
     prompts = [tokenizer(examples[i][0])["input_ids"] for i in chosen]
     completions = [tokenizer(examples[i][1], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -209,7 +209,7 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
     evict = None
     if recipe.evict_share:
         from services.rollout.engine import KVConfig
-        from services.trainer.evicted_sft import LAYER_MASKED, EvictionMasks
+        from services.trainer.eviction_masks import LAYER_MASKED, EvictionMasks
 
         evict, evict_kv = EvictionMasks(config, device), KVConfig.model_validate(recipe.evict_kv)
         model.set_attn_implementation(LAYER_MASKED)

@@ -1,7 +1,8 @@
-"""Eviction-aware SFT: train a model under the attention its compressed-cache sampler gives it.
+"""A model's attention as its compressed-cache sampler gives it: replayed masks, and an attention
+that applies them (the learner's eviction replay and the eviction-aware warm start).
 
-`EvictionMasks` replays examples on the rollout engine (services.rollout.engine.replay) with the
-model's current weights and returns, per layer and KV head, what each query could see. The
+`EvictionMasks` replays examples on the rollout engine (services.rollout.engine.replay) under
+given weights and returns, per layer and KV head, what each query could see. The
 attention registered here as `LAYER_MASKED` applies such a mask per layer inside a transformers
 model (`model(..., layer_masks=masks)`); without `layer_masks` it is plain SDPA, so generation and
 evaluation of the same model object are unchanged.

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
 from services.rollout.engine.replay import visible_positions
-from services.trainer.evicted_sft import LAYER_MASKED, batch_masks
+from services.trainer.eviction_masks import LAYER_MASKED, batch_masks
 from services.trainer.rollout_math import token_logprobs
 
 
