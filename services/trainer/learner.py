@@ -19,7 +19,7 @@ import functools
 import json
 import logging
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -157,6 +157,12 @@ class Learner:
             logp_ref = self._logprobs_all(self.ref_model, batch) if self.ref_model is not None else None
         corrections = sparse_rl_corrections(logp_old, batch.logp_sampler, mask, s.loss.corrections,
                                             advantages)
+        logp_before = None
+        if s.measure_batch_gain:
+            # In fp32 before and after the update: under bf16 autocast the weights are rounded at every
+            # matmul, and a step that moves few of them across a rounding boundary measures as noise.
+            with torch.no_grad(), self._fp32():
+                logp_before = self._logprobs_all(self.model, batch)
 
         updates = min(s.ppo_updates, batch.sequences)
         order = torch.randperm(batch.sequences, generator=self.shuffle).to(self.device)
@@ -194,10 +200,10 @@ class Learner:
 
         kept_all = float(corrections.keep_token.sum().clamp(min=1))
         gain: dict[str, float] = {}
-        if s.measure_batch_gain:
-            with torch.no_grad():
+        if logp_before is not None:
+            with torch.no_grad(), self._fp32():
                 logp_after = self._logprobs_all(self.model, batch)
-            moved = (logp_after - logp_old) * advantages[:, None] * corrections.keep_token
+            moved = (logp_after - logp_before) * advantages[:, None] * corrections.keep_token
             gain["batch_gain"] = float(moved.sum()) / kept_all
         if logp_ref is not None:
             gain["kl_ref"] = kl_sum / max(kl_tokens, 1.0)  # per kept token, whatever the micro-batching
@@ -330,6 +336,15 @@ class Learner:
                 parts.append(token_logprobs(model, batch.input_ids[chunk], batch.attention_mask[chunk],
                                             batch.completion_mask[chunk], self.settings.temperature, masks))
         return torch.cat(parts)
+
+    @contextlib.contextmanager
+    def _fp32(self) -> Iterator[None]:
+        """Compute in fp32 inside (bf16 autocast off)."""
+        bf16, self.bf16 = self.bf16, False
+        try:
+            yield
+        finally:
+            self.bf16 = bf16
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if not self.bf16:

@@ -50,9 +50,9 @@ class TrainerSettings(ModelServiceSettings):
     # Recompute each decoder layer's activations in the backward pass instead of keeping them:
     # less memory for longer sequences or bigger micro-batches, about a third more compute.
     activation_checkpointing: bool = False
-    # After each step, recompute the batch's log-probs and report `batch_gain` (one more forward
-    # pass per step): the advantage-weighted log-prob change, > 0 when the update moved toward
-    # the better samples of each group. A low-noise sign of learning where reward is noisy.
+    # Report `batch_gain` (two more forward passes per step, in fp32 before and after the update):
+    # the advantage-weighted log-prob change, > 0 when the update moved toward the better samples
+    # of each group. A low-noise sign of learning where reward is noisy.
     measure_batch_gain: bool = False
     checkpoint_every: int = Field(
         default=10, ge=0, description="steps between automatic checkpoints; 0 = off"
