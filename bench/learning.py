@@ -50,13 +50,13 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from services.rollout.calibration import calibrate, evaluate, generate
 from services.rollout.engine import KVConfig, LLMEngine
-from services.rollout.worker import score_samples
+from services.rollout.worker import sampling_info, score_samples
 from services.trainer.kv_budget import KVBudgetController, KVControlSettings, evidence_from_step
 from services.trainer.learner import Learner
 from services.trainer.loss import CorrectionConfig, LossConfig
 from services.trainer.settings import TrainerSettings
 from services.trainer.warmstart import WarmstartRecipe, ensure_warmstart_model
-from shared.schemas import SamplingInfo, Trajectory
+from shared.schemas import Trajectory
 from shared.tasks import Task, get_task
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -173,10 +173,7 @@ def eval_modes(budget: int, cfg: LearningConfig) -> dict[str, KVConfig]:
 
 def rollout(engine: LLMEngine, tokenizer: PreTrainedTokenizerBase, task: Task, pairs: list[tuple[str, str]],
             cfg: LearningConfig, kv: KVConfig, seed: int, step: int) -> list[Trajectory]:
-    sparse = kv.policy != "dense"
-    sampling = SamplingInfo(temperature=cfg.temperature, kv_policy=kv.policy,
-                            kv_budget=kv.budget if sparse else None,
-                            kv_config=kv.model_dump(mode="json") if sparse else None)
+    sampling = sampling_info(kv, cfg.temperature)
     results = generate(engine, tokenizer, task, [p for p, _ in pairs], cfg.samples, kv, cfg.temperature, seed,
                        batch=len(pairs) * cfg.samples)
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
@@ -254,7 +251,7 @@ def run_arm(cfg: LearningConfig, arm: str, seed: int, model_dir: Path, budget: i
             metrics = learner.train_step(trajectories, version=step)
             sync_weights(learner, engine)
             control: dict[str, Any] = {
-                "rollout_kv_budget": None if train_kv.policy == "dense" else train_kv.budget}
+                "rollout_kv_budget": train_kv.sparse_budget}
             if controller is not None:  # the next step's budget, as a published version carries it
                 cells = evidence_from_step(trajectories, metrics, step, controller.settings.metric)
                 control |= controller.update(cells, next_version=step + 1)

@@ -248,7 +248,7 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
         _observe(metrics, core, batch)
         return GenerateResponse(
             weight_version=batch.version, fingerprint=batch.fingerprint, engine=core.engine.name,
-            kv_policy=batch.kv.policy, kv_budget=None if batch.kv.policy == "dense" else batch.kv.budget,
+            kv_policy=batch.kv.policy, kv_budget=batch.kv.sparse_budget,
             seconds=batch.seconds,
             tokens_per_s=batch.generated_tokens / batch.seconds if batch.seconds else 0.0,
             completions=[
@@ -310,7 +310,7 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
         return WeightsInfo(version=w.version, fingerprint=w.fingerprint, sync_state=w.sync_state,
                            last_error=w.last_error, last_sync=w.last_sync, engine=core.engine.name,
                            history=list(sync.history) if sync else [],
-                           registry_url=settings.registry_url, kv_budget=_kv_budget(core))
+                           registry_url=settings.registry_url, kv_budget=core.kv_config().sparse_budget)
 
     @app.get("/healthz")
     async def healthz(response: Response) -> dict:
@@ -367,11 +367,6 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
     app.state.rollout = state
     app.state.liveness = liveness
     return app
-
-
-def _kv_budget(core: RolloutCore) -> int | None:
-    kv = core.kv_config()
-    return None if kv.policy == "dense" else kv.budget
 
 
 def _observe(metrics: Metrics, core: RolloutCore, batch) -> None:

@@ -71,7 +71,7 @@ class RolloutWorker:
             worker_id=s.worker_id,
             engine=core.engine.name,
             kv_policy=kv_policy,
-            kv_budget=None if kv_policy == "dense" else core.kv_config().budget,  # published or its own
+            kv_budget=core.kv_config().sparse_budget,  # published or its own
             weight_version=core.weights.version,
             tokens_per_s=core.tokens_per_s,
             download_mbps=self.sync.download_mbps if self.sync else 0.0,
@@ -245,12 +245,8 @@ class RolloutWorker:
     def _sampling(self, kv: KVConfig | None = None) -> SamplingInfo:
         """How this worker samples (the trainer refuses trajectories sampled otherwise than it
         assumes); `kv`: what a batch ran with (default: what the next batch would use)."""
-        kv = kv or self.core.kv_config()
-        sparse = kv.policy != "dense"
-        return SamplingInfo(temperature=self.settings.temperature, top_p=self.settings.top_p, top_k=0,
-                            engine=self.core.engine.name, kv_policy=kv.policy,
-                            kv_budget=kv.budget if sparse else None,
-                            kv_config=kv.model_dump(mode="json") if sparse else None)
+        return sampling_info(kv or self.core.kv_config(), self.settings.temperature, self.settings.top_p,
+                             self.core.engine.name)
 
     def _trajectory(self, lease: Lease, prompt_ids: list[int], outputs: list, batch: Batch) -> Trajectory:
         task = get_task(lease.group.task)
@@ -260,6 +256,15 @@ class RolloutWorker:
             samples=score_samples(task, lease.group.answer or "", prompt_ids, outputs, self.core.decode),
             sampling=self._sampling(batch.kv), created_at=time.time(),
         )
+
+
+def sampling_info(kv: KVConfig, temperature: float, top_p: float = 1.0,
+                  engine: str = "native") -> SamplingInfo:
+    """What a trajectory says of how it was sampled (also bench.learning's, in-process): the whole
+    KV config of a sparse batch travels with it, for the trainer's eviction replay."""
+    sparse = kv.policy != "dense"
+    return SamplingInfo(temperature=temperature, top_p=top_p, top_k=0, engine=engine, kv_policy=kv.policy,
+                        kv_budget=kv.sparse_budget, kv_config=kv.model_dump(mode="json") if sparse else None)
 
 
 def score_samples(task: Task, answer: str, prompt_ids: list[int], outputs: Sequence[GenerationOutput],

@@ -62,6 +62,11 @@ class KVConfig(BaseModel):
         default=DEFAULT_PYRAMID_BETA, gt=1.0, description="pyramid: the top layer keeps budget / beta"
     )
 
+    @property
+    def sparse_budget(self) -> int | None:
+        """The budget a sparse policy keeps; None for dense (which keeps everything)."""
+        return None if self.policy == "dense" else self.budget
+
     @model_validator(mode="after")
     def _consistent(self) -> KVConfig:
         if self.kernel % 2 == 0:

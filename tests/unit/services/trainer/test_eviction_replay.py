@@ -11,11 +11,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
 from services.rollout.models.decoder import load_pretrained
-from services.rollout.worker import score_samples
+from services.rollout.worker import sampling_info, score_samples
 from services.trainer.batching import collate
 from services.trainer.learner import Learner
 from services.trainer.settings import TrainerSettings
-from shared.schemas import SamplingInfo, Trajectory
+from shared.schemas import Trajectory
 from shared.tasks import get_task
 
 
@@ -42,9 +42,7 @@ def _trajectories(model_dir: str, kv: KVConfig) -> list[Trajectory]:
     for g, prompt in enumerate(prompts):
         params = SamplingParams(temperature=1.0, max_new_tokens=24, seed=g)
         outputs = engine.generate([prompt] * 4, params, kv)
-        sparse = kv.policy != "dense"
-        sampling = SamplingInfo(temperature=1.0, kv_policy=kv.policy, kv_budget=kv.budget if sparse else None,
-                                kv_config=kv.model_dump(mode="json") if sparse else None)
+        sampling = sampling_info(kv, temperature=1.0)
         samples = score_samples(task, "1", prompt, outputs, lambda ids: "x")
         for i, s in enumerate(samples):  # rewards with variance, so every group has an advantage
             s.reward = float(i % 2)
