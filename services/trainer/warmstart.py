@@ -24,7 +24,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -35,6 +35,10 @@ from shared.dtypes import compute_dtype
 from shared.modeling import qwen3_config
 from shared.tasks import Task, get_task
 from shared.tokenizer import build_tokenizer, char_vocab
+
+if TYPE_CHECKING:  # imported where used: dense SFT (the default) needs neither the engine nor the masks
+    from services.rollout.engine import KVConfig
+    from services.trainer.eviction_masks import EvictionMasks
 
 # Bump when the training code changes in a way the recipe fields do not capture.
 RECIPE_VERSION = 3  # 2: balanced digit counts, explicit cross-entropy; 3: seeded sampling checks
@@ -155,7 +159,7 @@ def _sft_batch(examples: list[tuple[str, str]], tokenizer: PreTrainedTokenizerFa
     return {"input_ids": input_ids, "attention_mask": attention, "labels": label_ids}
 
 
-def _evicted_rows(evict: Any, kv: Any, model: Qwen3ForCausalLM, batch: dict[str, torch.Tensor],
+def _evicted_rows(evict: EvictionMasks, kv: KVConfig, model: Qwen3ForCausalLM, batch: dict[str, torch.Tensor],
                   examples: list[tuple[str, str]], chosen: list[int],
                   tokenizer: PreTrainedTokenizerFast) -> torch.Tensor:
     """Layer masks of the batch: the `chosen` rows under the engine's replayed eviction, the rest causal."""

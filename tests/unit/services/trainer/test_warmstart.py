@@ -48,3 +48,25 @@ def test_cache_is_reused_and_keyed_by_recipe(tmp_path, monkeypatch):
     with pytest.raises(AssertionError, match="reused"):  # a different recipe is a different cache entry
         ensure_warmstart_model(tmp_path, recipe.model_copy(update={"lr": 1e-3}))
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp dirs left behind
+
+
+def test_eviction_aware_warmstart_trains_chosen_rows_under_replayed_masks(tmp_path, monkeypatch):
+    masked_rows = []
+    real = warmstart._evicted_rows
+
+    def spy(evict, kv, model, batch, examples, chosen, tokenizer):
+        masks = real(evict, kv, model, batch, examples, chosen, tokenizer)
+        causal = torch.ones_like(masks[0, 0, 0]).tril().bool()
+        for row in chosen:  # a chosen row sees less than the causal prefix somewhere: eviction bit
+            real_len = int(batch["attention_mask"][row].sum())
+            assert (masks[row, :, :, :real_len, :real_len] < causal[:real_len, :real_len]).any()
+        masked_rows.append(len(chosen))
+        return masks
+
+    monkeypatch.setattr(warmstart, "_evicted_rows", spy)
+    recipe = WarmstartRecipe(steps=3, batch_size=8, sampled_target=None, eval_prompts=4, evict_share=1.0,
+                             evict_kv={"policy": "rkv", "budget": 12, "buffer": 2, "keep_prompt": False})
+    train_warmstart(recipe, tmp_path, log_every=0)
+    assert masked_rows == [8, 8, 8]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert model.config._attn_implementation == "sdpa"  # the saved model loads as a plain one
