@@ -19,7 +19,7 @@ from typing import TypeVar
 import httpx
 from redis import exceptions as redis_errors
 
-from shared.registry.errors import RegistryHTTPError
+from shared.errors import ServiceHTTPError
 
 T = TypeVar("T")
 
@@ -32,8 +32,8 @@ MAX_BACKOFF_S = 10.0
 def transient(exc: BaseException) -> bool:
     """True for errors that mean "the dependency is unreachable or restarting now": worth waiting
     out. Anything else (a refused request, a bug) is not retried here."""
-    if isinstance(exc, RegistryHTTPError):
-        return exc.status == 0 or exc.status >= 500  # 0: the connection broke mid-upload
+    if isinstance(exc, ServiceHTTPError):  # any service's client (the registry's, ...)
+        return exc.transient
     if isinstance(exc, redis_errors.ResponseError):
         # Redis answering while it loads its AOF, a replica that cannot take writes yet, or a full
         # Redis (it drains as the trainer reads).
@@ -91,17 +91,19 @@ class Outage:
                 await asyncio.wait_for(stop.wait(), timeout=delay)
 
     async def call(self, fn: Callable[[], Awaitable[T]], stop: asyncio.Event | None = None,
-                   beat: Callable[[], None] | None = None) -> T:
-        """fn(), tried again after each transient failure until it succeeds. Once `stop` is set
-        the last error is raised instead, so a shutting-down loop can leave. `beat` is called
-        before every try: a loop waiting out an outage is alive (shared.health)."""
+                   beat: Callable[[], None] | None = None,
+                   retry_if: Callable[[BaseException], bool] = transient) -> T:
+        """fn(), tried again after each failure `retry_if` calls an outage (default: `transient`)
+        until it succeeds. Once `stop` is set the last error is raised instead, so a shutting-down
+        loop can leave. `beat` is called before every try: a loop waiting out an outage is alive
+        (shared.health)."""
         while True:
             if beat is not None:
                 beat()
             try:
                 result = await fn()
-            except Exception as exc:
-                if not transient(exc) or (stop is not None and stop.is_set()):
+            except BaseException as exc:  # some libraries wrap errors in BaseExceptions (DCP)
+                if not retry_if(exc) or (stop is not None and stop.is_set()):
                     raise
                 await self.failed(exc, stop)
                 continue

@@ -1,4 +1,4 @@
-"""python -m services.rollout — a rollout worker (settings: SPARSECAST_* env vars, see README)."""
+"""python -m services.rollout — a rollout worker (settings: SPARSECAST_* env vars, docs/configuration.md)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import uvicorn
 
 from services.rollout.settings import RolloutSettings
 from shared.http import require_token_off_loopback
+from shared.relay import PEER_KEEP_ALIVE_S, peer_listener
 from shared.settings_help import handle_cli
 
 
@@ -22,8 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout %(levelname)s %(name)s: %(message)s")
     settings = RolloutSettings()
     require_token_off_loopback("rollout", settings.host, settings.api_token)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
-                timeout_graceful_shutdown=30)
+    # Its relay endpoint (shared.relay) serves peers over kept-alive connections, on sockets with
+    # buffers wider than autotuning's where the kernel allows (a window for 1 Gbit/s at 100 ms).
+    config = uvicorn.Config(create_app(settings), log_level="info", timeout_graceful_shutdown=30,
+                            timeout_keep_alive=PEER_KEEP_ALIVE_S)
+    uvicorn.Server(config).run(sockets=[peer_listener(settings.host, settings.port)])
     return 0
 
 

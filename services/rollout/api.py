@@ -113,3 +113,5 @@ class WeightsInfo(BaseModel):
     registry_url: str | None
     # The KV budget the next batch uses (published with the version, else the worker's own; None: dense).
     kv_budget: int | None = None
+    # Generation pause per weight swap over the recent swaps: count, median_s, p99_s, max_s.
+    swap_pause: dict[str, float | int] = Field(default_factory=dict)

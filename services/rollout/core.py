@@ -9,8 +9,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import statistics
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -44,7 +47,7 @@ class Engine(Protocol):
 def load_engine(settings: RolloutSettings, model_dir: Path) -> Engine:
     dtype = DTYPES[settings.dtype]
     if settings.engine == "vllm":
-        from services.rollout.vllm_engine import VLLMEngine
+        from services.rollout.vllm.engine import VLLMEngine
 
         return VLLMEngine.from_pretrained(model_dir, device=settings.resolved_device(), dtype=dtype)
     from services.rollout.engine import LLMEngine
@@ -75,7 +78,7 @@ class Batch:
 class WeightState:
     version: int = 0
     fingerprint: str = ""
-    sync_state: str = "idle"  # idle | downloading | applying | failed
+    sync_state: str = "idle"  # idle | downloading | decoding | applying | failed
     last_error: str | None = None
     last_sync: dict[str, Any] = field(default_factory=dict)
     # The KV budget published with `version` (the registry manifest's RolloutDirective; None: the
@@ -95,6 +98,11 @@ class RolloutCore:
         self.max_positions = int(getattr(self.config, "max_position_embeddings", 1 << 30))
         self.engine_lock = asyncio.Lock()
         self.sync_stall = StallMeter()  # generation lost to weight sync, for the scheduler
+        # Seconds the engine was held per weight swap (the generation pause of a version), the
+        # last ones; swap_observers hear each (the service's Prometheus histogram).
+        self.swap_pauses: deque[float] = deque(maxlen=1024)
+        self.swaps = 0  # swaps ever done
+        self.swap_observers: list[Callable[[float], None]] = []
         self.weights = WeightState(version=version, fingerprint=fingerprint(engine.state_dict()))
         self.generated_tokens = 0
         self.generation_seconds = 0.0
@@ -117,20 +125,18 @@ class RolloutCore:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
     def kv_config(self, policy: str | None = None, budget: int | None = None, **extra: Any) -> KVConfig:
-        """The KV configuration of a batch: a request's own values, else the budget published with
-        the weights held (services.rollout.sync), else the worker's settings."""
+        """The KV configuration of a batch: the worker's `kv` section with a request's own values
+        (None: not given), else the budget published with the weights held
+        (services.rollout.sync), in place of single fields."""
         if self.engine.name in DENSE_ONLY_ENGINES:
             return KVConfig(policy="dense")
-        policy = policy or self.settings.kv_policy
-        return KVConfig(
-            policy=policy,
-            budget=budget or self.weights.kv_budget or self.settings.kv_budget,
-            layer_budgets=extra.pop("layer_budgets", None) or (
-                self.settings.kv_layer_budgets if policy != "dense" else "uniform"),
-            buffer=extra.pop("buffer", None) or self.settings.kv_buffer,
-            keep_prompt=extra.pop("keep_prompt", self.settings.kv_keep_prompt),
-            **extra,
-        )
+        section = self.settings.kv
+        overrides: dict[str, Any] = {"policy": policy or section.policy,
+                                     "budget": budget or self.weights.kv_budget or section.budget}
+        if overrides["policy"] == "dense":
+            overrides["layer_budgets"] = "uniform"  # a dense cache spreads no budget over layers
+        overrides |= {name: value for name, value in extra.items() if value is not None}
+        return KVConfig.of(section, **overrides)
 
     def check_lengths(self, prompts: list[list[int]], max_new_tokens: int) -> None:
         """Raise ValueError for a request the engine would refuse, before it takes the engine lock:
@@ -161,13 +167,31 @@ class RolloutCore:
     @contextlib.asynccontextmanager
     async def weights_swap(self) -> AsyncIterator[None]:
         """Hold the engine for a weight change (a batch boundary); the time it is held counts as
-        stalled on sync."""
+        stalled on sync, and is the generation pause of the swap (swap_pauses)."""
         async with self.engine_lock:
             t0 = time.perf_counter()
             try:
                 yield
             finally:
-                self.sync_stall.add(time.perf_counter() - t0)
+                pause = time.perf_counter() - t0
+                self.sync_stall.add(pause)
+                self.swap_pauses.append(pause)
+                self.swaps += 1
+                for observe in self.swap_observers:
+                    observe(pause)
+
+    def pauses_since(self, swaps: int) -> list[float]:
+        """The pauses of the swaps done after the first `swaps` (those still kept)."""
+        n = min(self.swaps - swaps, len(self.swap_pauses))
+        return list(self.swap_pauses)[len(self.swap_pauses) - n:]
+
+    def pause_summary(self) -> dict[str, float | int]:
+        """The recent swaps' generation pauses: count, median, p99 and max seconds."""
+        pauses = sorted(self.swap_pauses)
+        if not pauses:
+            return {"count": 0}
+        return {"count": len(pauses), "median_s": statistics.median(pauses),
+                "p99_s": pauses[min(len(pauses) - 1, math.ceil(0.99 * len(pauses)) - 1)], "max_s": pauses[-1]}
 
     @property
     def tokens_per_s(self) -> float:

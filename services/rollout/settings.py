@@ -1,4 +1,10 @@
-"""Settings of a rollout worker (env prefix SPARSECAST_, e.g. SPARSECAST_KV_POLICY=rkv)."""
+"""Settings of a rollout worker (env prefix SPARSECAST_, e.g. SPARSECAST_KV__POLICY=rkv).
+
+The KV cache is one section, `kv` (`shared.kv.KVSettings`: SPARSECAST_KV__POLICY, __BUDGET, __BUFFER,
+__KEEP_PROMPT, __LAYER_BUDGETS, __PYRAMID_BETA). The flat names it replaced (SPARSECAST_KV_POLICY,
+SPARSECAST_KV_BUDGET, SPARSECAST_KV_BUFFER, SPARSECAST_KV_KEEP_PROMPT, SPARSECAST_KV_LAYER_BUDGETS)
+still set it, with a deprecation warning; in Python, `kv=KVSettings(...)` is the only way.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +16,13 @@ from pydantic import Field, model_validator
 
 from shared.coord import CoordSettings
 from shared.dtypes import ModelDtype
-from shared.kv import DEFAULT_KV_BUDGET, DEFAULT_KV_BUFFER, LayerBudgets, Policy
+from shared.kv import KVSettings
 from shared.settings import ModelServiceSettings
+
+# The flat names of the `kv` section's fields before it was one (deprecated; FlatAliases).
+FLAT_KV_NAMES: dict[str, tuple[str, str]] = {
+    f"kv_{field}": ("kv", field) for field in ("policy", "budget", "buffer", "keep_prompt", "layer_budgets")
+}
 
 
 class RolloutSettings(ModelServiceSettings):
@@ -24,16 +35,9 @@ class RolloutSettings(ModelServiceSettings):
     dtype: ModelDtype = "bfloat16"
     data_dir: str = "./data/rollout"
 
-    # Default KV policy and budget; /v1/generate requests may override them (native engine).
-    kv_policy: Policy = "rkv"
-    kv_budget: int = Field(default=DEFAULT_KV_BUDGET, ge=1)
-    kv_buffer: int = Field(default=DEFAULT_KV_BUFFER, ge=1)
-    # True: the prompt is never evicted and the budget counts generated tokens only. False:
-    # Sparse-RL's semantics, the budget counts every cached token and the prompt becomes evictable
-    # at the first compression.
-    kv_keep_prompt: bool = True
-    # How sparse policies spread the budget over the layers (uniform, or PyramidKV's pyramid).
-    kv_layer_budgets: LayerBudgets = "uniform"
+    # The worker's KV cache (policy, budget, ...); /v1/generate requests and the budget the trainer
+    # publishes with the weights override single fields of it (native engine; RolloutCore.kv_config).
+    kv: KVSettings = Field(default_factory=KVSettings)
 
     # Request limits: a request asks for at most max_batch sequences (prompts × n).
     max_batch: int = Field(default=64, ge=1)
@@ -56,9 +60,16 @@ class RolloutSettings(ModelServiceSettings):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     max_new_tokens: int | None = Field(default=None, ge=1, description="default: the task's own")
     coord: CoordSettings = Field(default_factory=CoordSettings)
+    # The worker credential (SPARSECAST_WORKER_TOKEN): every trajectory is signed with it
+    # (shared.signing); a trainer that has one refuses trajectories without its signature. A
+    # worker never holds the publish token nor the object store's keys.
+    worker_token: str | None = None
     # /healthz reports a background loop stuck when it makes no progress for this long: one
     # generation batch (or a model load) must fit in it (docs/coordination.md).
     stall_s: float = Field(default=600.0, gt=0)
+
+    flat_aliases = FLAT_KV_NAMES
+    flat_aliases_about = "KV"
 
     @model_validator(mode="after")
     def _relay_needs_its_addresses(self) -> RolloutSettings:

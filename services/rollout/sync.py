@@ -112,6 +112,9 @@ class WeightSync:
         self.download_mbps = 0.0
         # The last syncs (version reached, fingerprint, path, bytes, seconds): shown on /v1/weights.
         self.history: deque[dict[str, Any]] = deque(maxlen=256)
+        # Why the weights cannot reach the head now (a corrupt object nothing routes around yet);
+        # None once a sync succeeds. A stuck worker is not ready (/readyz), and keeps retrying.
+        self.stuck: str | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the registry's head. An unreachable registry is waited out (logged once per
@@ -128,6 +131,7 @@ class WeightSync:
                 if target is not None and target > self.core.weights.version:
                     await self.sync_to(target)
                 self.registry.ok()
+                self.stuck = None
                 backoff = self.poll_s
             except (SyncFailed, RegistryHTTPError, httpx.HTTPError, OSError) as exc:
                 self.failures += 1
@@ -135,6 +139,7 @@ class WeightSync:
                 if transient(cause):
                     await self.registry.failed(cause, stop)
                     continue
+                self.stuck = f"weights stuck at v{self.core.weights.version}: {exc}"
                 log.warning("weight sync failed (%s); retrying in %.1fs", exc, backoff)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=backoff)
@@ -145,6 +150,7 @@ class WeightSync:
         weights = self.core.weights
         manifest = await self._manifest(target)
         budgets = {manifest.version: manifest.rollout.kv_budget} if manifest is not None else {}
+        swaps = self.core.swaps
         if manifest is not None:
             target = manifest.version  # the version whose budget was read, also when asked for the latest
         try:
@@ -169,6 +175,8 @@ class WeightSync:
             "bytes": plan.total_bytes,
             "seconds": round(result.seconds, 4),
             "fell_back": result.fell_back,
+            # generation paused this long to write it (one swap per patch of a chain)
+            "pause_s": round(sum(self.core.pauses_since(swaps)), 6),
         }
         self.history.append(weights.last_sync)
         log.info("weights now at version %d (%s, %d bytes, %.2fs)", result.version, plan.kind,

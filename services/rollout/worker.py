@@ -30,6 +30,7 @@ from shared.coord import Coordinator, Lease
 from shared.health import Liveness
 from shared.retry import Outage, transient
 from shared.schemas import KVStats, Sample, SamplingInfo, Trajectory, WorkerInfo
+from shared.signing import sign_trajectory
 from shared.tasks import Task, get_task
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class RolloutWorker:
 
     def info(self) -> WorkerInfo:
         core, s = self.core, self.settings
-        kv_policy = served_kv_policy(core.engine.name, s.kv_policy)
+        kv_policy = served_kv_policy(core.engine.name, s.kv.policy)
         return WorkerInfo(
             worker_id=s.worker_id,
             engine=core.engine.name,
@@ -79,6 +80,7 @@ class RolloutWorker:
             leases=len(self.held),
             url=s.advertise_url or None,
             sampling=self._sampling(),
+            signs=bool(s.worker_token),
         )
 
     async def heartbeat(self, stop: asyncio.Event) -> None:
@@ -250,12 +252,15 @@ class RolloutWorker:
 
     def _trajectory(self, lease: Lease, prompt_ids: list[int], outputs: list, batch: Batch) -> Trajectory:
         task = get_task(lease.group.task)
-        return Trajectory(
+        trajectory = Trajectory(
             group_id=lease.group_id, attempt=lease.attempt, policy_version=batch.version,
             worker_id=self.settings.worker_id, task=lease.group.task, prompt=lease.group.prompt,
             samples=score_samples(task, lease.group.answer or "", prompt_ids, outputs, self.core.decode),
             sampling=self._sampling(batch.kv), created_at=time.time(),
         )
+        # Signed by the worker credential: the trainer trains only what a holder of it produced.
+        token = self.settings.worker_token
+        return sign_trajectory(trajectory, token, self.settings.run) if token else trajectory
 
 
 def sampling_info(kv: KVConfig, temperature: float, top_p: float = 1.0,

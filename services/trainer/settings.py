@@ -1,5 +1,11 @@
 """Settings of the trainer service (env prefix SPARSECAST_, nested with __, e.g.
-SPARSECAST_LOSS__CORRECTIONS__TOKEN_MASK=false)."""
+SPARSECAST_LOSS__CORRECTIONS__TOKEN_MASK=false).
+
+The optimizer is one section, `optim` (`services.trainer.optim.OptimSettings`: SPARSECAST_OPTIM__LR,
+__WEIGHT_DECAY, __BETA1, __BETA2, __GRAD_CLIP). The flat names it replaced (SPARSECAST_LR,
+SPARSECAST_WEIGHT_DECAY, SPARSECAST_BETA1, SPARSECAST_BETA2, SPARSECAST_GRAD_CLIP) still set it,
+with a deprecation warning; in Python, `optim=OptimSettings(...)` is the only way.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +13,15 @@ from pydantic import Field
 
 from services.trainer.kv_budget import KVControlSettings
 from services.trainer.loss import LossConfig
+from services.trainer.optim import OptimSettings
 from shared.coord import CoordSettings
+from shared.patch.codec import Encoding
 from shared.settings import ModelServiceSettings
+
+# The flat names of the `optim` section's fields before it was one (deprecated; FlatAliases).
+FLAT_OPTIM_NAMES: dict[str, tuple[str, str]] = {
+    field: ("optim", field) for field in ("lr", "weight_decay", "beta1", "beta2", "grad_clip")
+}
 
 
 class TrainerSettings(ModelServiceSettings):
@@ -18,21 +31,26 @@ class TrainerSettings(ModelServiceSettings):
     # Where the warm-start model is cached (shared by demo runs and tests started from the same folder).
     warmstart_cache: str = ".cache/warmstart"
     data_dir: str = "./data/trainer"  # checkpoints, metrics.jsonl, the warm-start cache
-    # api_token: the bearer token for writes (prompts, pause/resume, checkpoint) and for
-    # publishing to the registry. Unset: a random token is made at startup and written to
-    # <data_dir>/api-token (on a loopback bind only: off loopback the service refuses to start).
-    # The trainer cannot run without its registry and Redis: both are required.
+    # api_token: the bearer token for writes (prompts, pause/resume, checkpoint). Unset: a random
+    # token is made at startup and written to <data_dir>/api-token (on a loopback bind only: off
+    # loopback the service refuses to start).
+    # publish_token: the bearer token of the trainer's registry writes (SPARSECAST_PUBLISH_TOKEN,
+    # the registry's publish_token); unset: api_token (deprecated, warned). worker_token: the
+    # credential the rollout workers sign trajectories with (shared.signing); set, the trainer
+    # refuses unsigned or badly signed trajectories; unset, signatures are not checked (loopback
+    # development only). Either way it trains only groups its ledger admitted
+    # (services.trainer.admission).
+    publish_token: str | None = None
+    worker_token: str | None = None
+    # The trainer cannot run without its registry and Redis (whose URL carries the trainer's Redis
+    # user and password where Redis requires auth): both are required.
     registry_url: str = "http://127.0.0.1:8100"
     redis_url: str = "redis://127.0.0.1:6379"
     coord: CoordSettings = Field(default_factory=CoordSettings)
 
-    # Optimisation (Sparse-RL uses lr 1e-6, wd 0.1, betas (0.9, 0.98) on 1.5B-7B models; the
-    # tiny demo model needs a larger lr to move within minutes).
-    lr: float = Field(default=1e-6, gt=0)
-    weight_decay: float = Field(default=0.1, ge=0)
-    beta1: float = 0.9
-    beta2: float = 0.98
-    grad_clip: float = Field(default=1.0, gt=0)
+    # AdamW and the gradient clip (Sparse-RL's lr 1e-6, wd 0.1, betas (0.9, 0.98), clip 1.0; the
+    # tiny demo model needs a larger lr to move within minutes: services.trainer.optim.DEMO_OPTIM).
+    optim: OptimSettings = Field(default_factory=OptimSettings)
     loss: LossConfig = Field(default_factory=LossConfig)
     # Must equal the workers' sampling temperature and top-p: logp_old_dense is recomputed at this
     # temperature over the full vocabulary; trajectories sampled otherwise are refused and counted.
@@ -54,14 +72,23 @@ class TrainerSettings(ModelServiceSettings):
     # the advantage-weighted log-prob change, > 0 when the update moved toward the better samples
     # of each group. A low-noise sign of learning where reward is noisy.
     measure_batch_gain: bool = False
+    # The learner's state (master weights, Adam moments, step, RNG) is written before each Nth
+    # version is published, so a crash resumes at the head exactly; with N > 1 a crash resumes the
+    # head's weights from the registry with moments up to N - 1 versions old (docs/coordination.md).
     checkpoint_every: int = Field(
-        default=10, ge=0, description="steps between automatic checkpoints; 0 = off"
+        default=1, ge=0, description="versions between checkpoints, each written before its version is out"
     )
     # Held-out validation: every `eval_every` steps (and once before the first), the policy's T = 1
     # accuracy with a dense cache on `eval_prompts` fixed prompts of the default task, in the step's
     # metrics as heldout_accuracy / heldout_reward. 0 = off.
     eval_every: int = Field(default=0, ge=0)
     eval_prompts: int = Field(default=128, ge=1)
+    # How patches are encoded (docs/patch-format.md): "zstd" picks values or bitdelta per tensor
+    # (fast: ~0.1 s to build or apply the demo model's patch on 2 cores); "auto" also tries ctxans,
+    # the context-modelled coder, 0.74-0.78x the i.i.d. entropy floor on the 1.7B shape (10-40 %
+    # fewer bytes than bitdelta) but ~4-5x slower to encode and decode: worth it on slow links. The
+    # sharded (FSDP) writer uses "zstd" whatever is set here.
+    patch_encoding: Encoding = "zstd"
     # Snapshots the trainer uploads itself every N versions (0: none); not the registry's
     # SPARSECAST_SNAPSHOT_EVERY, which has the registry build them from the patches.
     upload_snapshot_every: int = Field(default=0, ge=0)
@@ -85,3 +112,6 @@ class TrainerSettings(ModelServiceSettings):
     # "fixed" (default) publishes start_budget if set, else nothing; "adaptive" moves it between
     # min_budget and max_budget to hold `metric` at `target`. SPARSECAST_KV_CONTROL__MODE=adaptive, ...
     kv_control: KVControlSettings = Field(default_factory=KVControlSettings)
+
+    flat_aliases = FLAT_OPTIM_NAMES
+    flat_aliases_about = "optimizer"

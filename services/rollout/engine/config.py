@@ -2,19 +2,20 @@
 
 `SamplingParams` and `KVConfig` are pydantic models so the HTTP layer can take them straight from
 a request body (invalid values raise `pydantic.ValidationError`, a `ValueError`). Every eviction
-constant is a `KVConfig` field; the defaults are those of Sparse-RL's R-KV setup
-(docs/engine.md, REFERENCE §1: λ = 0.1, observation window 8, pooling kernel 7, re-compression
-every 128 decode steps).
+constant is a `KVConfig` field: those a worker is configured with come from `shared.kv.KVSettings`
+(its `kv` section, taken as is), the engine-only ones are declared here; the defaults are those of
+Sparse-RL's R-KV setup (docs/engine.md; arXiv 2601.10079: λ = 0.1, observation window 8, pooling
+kernel 7, re-compression every 128 decode steps).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shared.kv import DEFAULT_KV_BUDGET, DEFAULT_KV_BUFFER, DEFAULT_PYRAMID_BETA, LayerBudgets, Policy
+from shared.kv import KVSettings, Policy
 from shared.schemas import KVStats
 
 FinishReason = Literal["stop", "length"]
@@ -31,17 +32,14 @@ class SamplingParams(BaseModel):
     seed: int | None = Field(default=None, description="same seed + same prompts = same samples")
 
 
-class KVConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class KVConfig(KVSettings):
+    """The KV configuration of one engine call: the section (policy, budget, buffer, keep_prompt,
+    layer_budgets, pyramid_beta; `shared.kv.KVSettings`, whose defaults it keeps) plus the
+    engine-only constants below (extra fields refused, frozen, as the section)."""
 
+    # The one default that differs from the section's: an engine call that names no KV policy
+    # keeps every token (a worker's section defaults to R-KV).
     policy: Policy = "dense"
-    # Tokens kept after each compression. With keep_prompt (default) the prompt is never evicted
-    # and the budget counts generated tokens only; otherwise it counts every stored token.
-    budget: int = Field(default=DEFAULT_KV_BUDGET, ge=1)
-    # Re-compression interval: a sequence stores up to budget + buffer evictable tokens, then is
-    # compressed back to budget (R-KV, Sparse-RL: every 128 decode steps).
-    buffer: int = Field(default=DEFAULT_KV_BUFFER, ge=1)
-    keep_prompt: bool = True
     window: int = Field(
         default=8, ge=1, description="observation window: recent queries that score, recent keys always kept"
     )
@@ -55,12 +53,12 @@ class KVConfig(BaseModel):
         default=0.5, ge=0.0, le=1.0, description="R-KV near-duplicate cosine"
     )
     sink_tokens: int = Field(default=4, ge=0, description="streaming: first tokens always kept")
-    # How `budget` is spread over the layers (shared.kv.LAYER_BUDGETS): every layer keeps `budget`,
-    # or PyramidKV's arithmetic decrease from the bottom layer to the top, `layers × budget` in all.
-    layer_budgets: LayerBudgets = "uniform"
-    pyramid_beta: float = Field(
-        default=DEFAULT_PYRAMID_BETA, gt=1.0, description="pyramid: the top layer keeps budget / beta"
-    )
+
+    @classmethod
+    def of(cls, section: KVSettings, **overrides: Any) -> KVConfig:
+        """The engine's configuration for `section` (a worker's `kv` settings) with `overrides`
+        (a request's or the trainer's directive's values) replacing single fields, validated."""
+        return cls.model_validate(section.model_dump() | overrides)
 
     @property
     def sparse_budget(self) -> int | None:

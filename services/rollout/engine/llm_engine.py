@@ -159,7 +159,9 @@ class LLMEngine:
         lengths = [len(p) for p in prompts]
         batch, width, max_new = len(prompts), max(lengths), params.max_new_tokens
         seqs = [Sequence(i, n) for i, n in enumerate(lengths)]
-        use_graphs = self.cuda_graphs and kv.policy != "h2o"  # H2O needs the attention weights
+        # A policy that accumulates attention weights (H2O) needs them from every decode step,
+        # which the captured graphs' fused attention does not produce.
+        use_graphs = self.cuda_graphs and not POLICIES[kv.policy].uses_accumulated_attention
         capacities = layer_capacities(lengths, max_new, kv, model.num_layers)
         storage, graphs = self._static_decode(batch, capacities, kv) if use_graphs else (None, None)
         captures = graphs.captures if graphs is not None else 0

@@ -9,7 +9,7 @@ Sources (docs/engine.md has the formulas):
 - snapkv: SnapKV (Li et al. 2024): attention of an observation window of recent queries,
   pooled over neighbouring keys.
 - h2o: H2O (Zhang et al. 2023): attention accumulated over all decode queries ("heavy hitters").
-- rkv: R-KV (Cai et al. 2025) as run by Sparse-RL (REFERENCE §1): λ·importance − (1−λ)·redundancy.
+- rkv: R-KV (Cai et al. 2025) as run by Sparse-RL (arXiv 2601.10079): λ·importance − (1−λ)·redundancy.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The KV budget calibration on the demo's warm-start model: the tightest budget that keeps a share
-of the dense accuracy, measured on the rollout engine; and the demo's `--kv-calibrate` over it."""
+"""The KV budget calibration on a partly trained model of the demo's shape: the tightest budget
+that keeps a share of the dense accuracy, measured on the rollout engine; and the demo's
+`--kv-calibrate` over it."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ SPARSE = KVConfig(policy="rkv", buffer=2, keep_prompt=False)
 
 
 @pytest.fixture(scope="module")
-def engine_and_tokenizer(warmstart_dir: Path) -> tuple[LLMEngine, AutoTokenizer]:
-    return LLMEngine.from_pretrained(warmstart_dir), AutoTokenizer.from_pretrained(warmstart_dir)
+def engine_and_tokenizer(partial_model_dir: Path) -> tuple[LLMEngine, AutoTokenizer]:
+    return LLMEngine.from_pretrained(partial_model_dir), AutoTokenizer.from_pretrained(partial_model_dir)
 
 
 def test_the_tightest_passing_budget_is_chosen(engine_and_tokenizer: tuple) -> None:
@@ -50,12 +51,12 @@ def test_no_budget_keeping_the_ratio_takes_the_largest(engine_and_tokenizer: tup
     assert all(r["ratio"] < 1.0 for r in result.rows)
 
 
-def test_demo_runs_its_workers_at_the_calibrated_budget(warmstart_dir: Path, tmp_path: Path,
+def test_demo_runs_its_workers_at_the_calibrated_budget(partial_model_dir: Path, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # the calibration cache lives under ./.cache
     stack = Stack(DemoOptions(kv_budget=8, kv_calibrate=0.05, folder=tmp_path / "demo"))
     stack.prepare()
-    stack.calibrate_kv(warmstart_dir)
+    stack.calibrate_kv(partial_model_dir)
     result = stack.calibration
     assert result is not None and [r["budget"] for r in result["rows"]][0] == 8
     passing = [r["budget"] for r in result["rows"] if r["ratio"] >= 0.05]
@@ -67,9 +68,9 @@ def test_demo_runs_its_workers_at_the_calibrated_budget(warmstart_dir: Path, tmp
     # Cached per model and settings: a second demo measures nothing (no child process).
     again = Stack(DemoOptions(kv_budget=8, kv_calibrate=0.05, folder=tmp_path / "demo"))
     again.prepare()
-    again.calibrate_kv(warmstart_dir)
+    again.calibrate_kv(partial_model_dir)
     assert again.calibration == stack.calibration and not list(again.procs.log_dir.iterdir())
     # Off by default: the budget stays as given.
     plain = Stack(DemoOptions(kv_budget=8, folder=tmp_path / "demo"))
-    plain.calibrate_kv(warmstart_dir)
+    plain.calibrate_kv(partial_model_dir)
     assert plain.o.kv_budget == 8 and plain.calibration is None

@@ -20,6 +20,7 @@ from services.rollout.settings import RolloutSettings
 from services.rollout.sync import WeightSync
 from services.rollout.worker import RolloutWorker
 from shared.coord import Coordinator
+from shared.kv import KVSettings
 from shared.patch import extract_patch, save_snapshot
 from shared.registry.client import RegistryClient
 from shared.registry.wire import RolloutDirective
@@ -54,7 +55,7 @@ async def test_worker_generates_with_the_budget_of_its_weights_version(
         async with RegistryClient(url, RUN, token=TOKEN) as client:
             await client.publish_snapshot(0, save_snapshot(states[0], run=RUN, version=0))  # no directive
             settings = RolloutSettings(
-                model=tiny_model_dir, device="cpu", kv_policy="rkv", kv_budget=OWN_BUDGET, kv_buffer=4,
+                model=tiny_model_dir, device="cpu", kv=KVSettings(policy="rkv", budget=OWN_BUDGET, buffer=4),
                 registry_url=url, run=RUN, redis_url=redis_url, redis_prefix=redis_prefix, worker_id="w1",
                 max_new_tokens=40, data_dir=str(tmp_path / "rollout"),
             )
@@ -133,7 +134,7 @@ async def test_worker_generates_with_the_budget_of_its_weights_version(
 
 def test_a_dense_only_engine_ignores_the_published_budget(tiny_model_dir: str) -> None:
     core = RolloutCore.from_model_dir(
-        RolloutSettings(model=tiny_model_dir, device="cpu", kv_policy="rkv", kv_budget=OWN_BUDGET),
+        RolloutSettings(model=tiny_model_dir, device="cpu", kv=KVSettings(policy="rkv", budget=OWN_BUDGET)),
         Path(tiny_model_dir))
     core.weights.kv_budget = 12
     assert core.kv_config().budget == 12

@@ -12,6 +12,7 @@ import torch
 from services.rollout.app import create_app
 from services.rollout.settings import RolloutSettings
 from shared.dtypes import compute_dtype
+from shared.kv import KVSettings
 from tests.conftest import serve_app
 
 POLICIES = ["dense", "streaming", "snapkv", "h2o", "rkv"]
@@ -19,8 +20,9 @@ POLICIES = ["dense", "streaming", "snapkv", "h2o", "rkv"]
 
 @pytest.fixture(scope="module")
 def rollout_url(tiny_model_dir: str):
-    settings = RolloutSettings(model=tiny_model_dir, device="cpu", kv_policy="rkv", kv_budget=16, kv_buffer=8,
-                               max_batch=8, max_new_tokens_limit=256, redis_url="", registry_url="")
+    settings = RolloutSettings(model=tiny_model_dir, device="cpu",
+                               kv=KVSettings(policy="rkv", budget=16, buffer=8), max_batch=8,
+                               max_new_tokens_limit=256, redis_url="", registry_url="")
     with serve_app(create_app(settings)) as url:
         yield url
 

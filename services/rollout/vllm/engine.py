@@ -36,7 +36,7 @@ from services.rollout.engine.config import (
 from shared.agreement import kv_policy_refusal
 from shared.dtypes import DTYPES, MODEL_DTYPES
 
-WORKER_EXTENSION = "services.rollout.vllm_ext.SparsecastWorkerExtension"
+WORKER_EXTENSION = "services.rollout.vllm.ext.SparsecastWorkerExtension"
 _VLLM_DTYPES = {DTYPES[name]: name for name in MODEL_DTYPES}
 # Options the engine sets itself: changing them would break the log-prob or weight-update contract.
 _RESERVED_OPTIONS = ("model", "dtype", "skip_tokenizer_init", "logprobs_mode", "worker_extension_cls")
@@ -121,7 +121,7 @@ class VLLMEngine:
         self._state = state
         self.config = config
         self._groups = fused_groups(state, packed_modules)
-        # Whether the worker reports pre-filter log-probs under top-k/top-p (vllm_ext); without
+        # Whether the worker reports pre-filter log-probs under top-k/top-p (vllm/ext.py); without
         # it only unfiltered sampling matches the contract, so filtered requests are refused.
         self._logprob_hook = logprob_hook
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]

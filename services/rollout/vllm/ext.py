@@ -1,13 +1,13 @@
 """Worker-side half of the vLLM engine: methods vLLM mixes into its worker class.
 
-`VLLMEngine` passes `worker_extension_cls="services.rollout.vllm_ext.SparsecastWorkerExtension"`;
+`VLLMEngine` passes `worker_extension_cls="services.rollout.vllm.ext.SparsecastWorkerExtension"`;
 vLLM imports this module inside every worker process (or in-process without multiprocessing) and
 makes the methods below callable through `llm.collective_rpc(name, args=...)`. `self` is then the
 vLLM worker, so `self.model_runner` is its model runner. Method names carry a `sparsecast_` prefix
 because vLLM refuses extension methods that shadow worker methods.
 
 Arguments cross a process boundary when vLLM runs with multiprocessing, and torch tensors in rpc
-arguments fail to pickle there (../../docs/vllm.md): weights travel as safetensors bytes.
+arguments fail to pickle there (docs/vllm.md): weights travel as safetensors bytes.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 `vllm serve` (docs/vllm.md, "Stock `vllm serve` with the registry as weight source").
 
 - `register` (`vllm.general_plugins`, loaded in every vLLM process): registers the weight-transfer
-  backend "sparsecast" (`services.rollout.vllm_transfer`), chosen with
+  backend "sparsecast" (`services.rollout.vllm.transfer`), chosen with
   `--weight-transfer-config '{"backend": "sparsecast"}'`.
 - `SparsecastEndpoints` (`vllm.endpoint_plugins`, opt-in by `VLLM_PLUGINS=sparsecast`): the routes
-  an operator or `python -m services.rollout.vllm_pull` drives, under /v1 so vLLM's `--api-key`
+  an operator or `python -m services.rollout.vllm.pull` drives, under /v1 so vLLM's `--api-key`
   guards them, without vLLM's dev mode (which would also open /collective_rpc and friends):
   `POST /v1/sparsecast/pull` and `GET /v1/sparsecast/weights`.
 
@@ -63,7 +63,7 @@ def register() -> None:
 
     try:
         WeightTransferEngineFactory.register_engine(
-            BACKEND, "services.rollout.vllm_transfer", "RegistryWeightTransferEngine"
+            BACKEND, "services.rollout.vllm.transfer", "RegistryWeightTransferEngine"
         )
     except ValueError:  # registered already (vLLM loads plugins once per process, tests more)
         pass

@@ -1,6 +1,6 @@
 """Tell a stock `vllm serve` (with the sparsecast plugins) to pull weights from the registry.
 
-    python -m services.rollout.vllm_pull --vllm-url http://127.0.0.1:8000 \\
+    python -m services.rollout.vllm.pull --vllm-url http://127.0.0.1:8000 \\
         --registry-url http://registry:8100 --run demo [--version 7 | --follow]
 
 One pull (a version, or the head) prints the server's answer as JSON; `--follow` is a sidecar: it
@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from services.rollout.vllm_plugin import BACKEND, PULL_PATH
+from services.rollout.vllm.plugin import BACKEND, PULL_PATH
 from shared.registry.client import RegistryClient
 from shared.retry import Outage
 from shared.schemas import DEFAULT_RUN
@@ -93,7 +93,7 @@ async def follow(http: httpx.AsyncClient, registry: RegistryClient, body: dict[s
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
     parser = argparse.ArgumentParser(
-        prog="python -m services.rollout.vllm_pull",
+        prog="python -m services.rollout.vllm.pull",
         description="Make a stock `vllm serve` (with the sparsecast plugins) pull a version of a run "
                     "from the registry, once or following the run's head.",
         epilog="Exit status: 0 ok, 1 the server or registry refused or failed, 2 bad usage. "
