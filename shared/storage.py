@@ -12,6 +12,8 @@ A new store therefore needs no code here: a URL and its options.
 from __future__ import annotations
 
 import asyncio
+import errno
+import re
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +21,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import obstore
+from obstore.exceptions import BaseError as ObstoreError
 from obstore.exceptions import NotFoundError
 from obstore.store import LocalStore, MemoryStore, from_url
 
@@ -46,6 +49,25 @@ def _client_option(key: str, value: str) -> str | bool:
 
 class ObjectNotFound(KeyError):
     """The key names no object."""
+
+
+class StoreFull(OSError):
+    """The store refused a write for lack of space or quota: a local ENOSPC or EDQUOT, an S3 quota
+    or 507 answer, MinIO's full drives. An outage that ends when space is freed, not a bad request."""
+
+
+# How obstore words a full store: it wraps the OS error (os error 28 ENOSPC, 122 EDQUOT) or the
+# service's answer in a message of its own, without an errno.
+_FULL_STORE = re.compile(
+    r"No space left on device|os error (28|122)\b|StorageFull|Disk quota exceeded|QuotaExceeded"
+    r"|Insufficient ?Storage|XMinioStorageFull|status:? 507\b", re.IGNORECASE)
+
+
+def store_full(exc: BaseException) -> bool:
+    """The error means the store is out of space or quota (see StoreFull)."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return isinstance(exc, ObstoreError) and bool(_FULL_STORE.search(str(exc)))
 
 
 @dataclass(frozen=True)
@@ -92,6 +114,11 @@ class ObjectStorage:
             return await asyncio.to_thread(fn)
         except (NotFoundError, FileNotFoundError) as exc:
             raise ObjectNotFound(key) from exc
+        except Exception as exc:
+            if store_full(exc):
+                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise StoreFull(errno.ENOSPC, f"store {self.url} is full: {first}") from exc
+            raise
 
     async def put(self, key: str, data: bytes | memoryview) -> None:
         # obstore writes atomically on every backend (temp file + rename locally, one PUT or a
@@ -127,6 +154,11 @@ class ObjectStorage:
         except ObjectNotFound:
             return False
         return True
+
+    async def folders(self) -> list[str]:  # above list(): in the class body `list` is that method
+        """The top-level folders of the store (e.g. a registry's runs), sorted."""
+        listing = await self._call("", lambda: obstore.list_with_delimiter(self._store))
+        return sorted(p.rstrip("/") for p in listing["common_prefixes"])
 
     async def list(self, prefix: str) -> list[ObjectInfo]:
         """Objects under prefix (a folder-like path, e.g. 'run/manifests/'), sorted by key."""

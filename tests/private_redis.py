@@ -5,30 +5,31 @@ clients, restarting it (with its AOF), or losing its data. Port and data folder 
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
 
+from shared.ports import free_port
+
 STARTUP_TIMEOUT_S = 20.0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class PrivateRedis:
-    def __init__(self, data_dir: Path, *, appendonly: bool = True) -> None:
+    def __init__(self, data_dir: Path, *, appendonly: bool = True, args: Sequence[str] = (),
+                 auth: tuple[str, str] | None = None) -> None:
+        """`args`: more redis-server options (e.g. ACL users); `auth`: the (user, password) this
+        object's own client logs in with, when `args` turn anonymous access off."""
         if shutil.which("redis-server") is None:
             raise RuntimeError("redis-server is not installed; fault tests start a private one")
         self.dir = data_dir
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.port = _free_port()
+        self.port = free_port()
         self.appendonly = appendonly
+        self.args = list(args)
+        self.auth = auth
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self.start()
@@ -38,12 +39,14 @@ class PrivateRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+        username, password = self.auth or (None, None)
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, username=username,
+                           password=password)
 
     def start(self) -> None:
         args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
                 "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec",
-                "--logfile", str(self.dir / "redis.log")]
+                "--logfile", str(self.dir / "redis.log"), *self.args]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:

@@ -22,7 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = RegistrySettings()
     require_token_off_loopback("registry", settings.host, settings.api_token)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
+                timeout_keep_alive=settings.keep_alive_s)  # idle connections of slow clients close
     return 0
 
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
 from contextlib import asynccontextmanager
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -16,14 +17,25 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from services.registry.core import KEY_PART, OBJECT_FOLDERS, RUN_NAME, RedisAnnouncer, Registry
-from services.registry.errors import BadRange, RegistryError
+from services.registry.errors import BadRange, InsufficientStorage, RegistryError, TimedOut
 from services.registry.ranges import parse_range
 from services.registry.settings import RegistrySettings
 from services.registry.uploads import UploadCheck, UploadKind
 from shared.http import PROMETHEUS_TEXT, error_responses, install_error_handling
-from shared.registry.wire import METRICS_HEADER, MODEL_FILES, ROLLOUT_HEADER, Manifest, Plan, RolloutDirective
+from shared.registry.wire import (
+    GROUPS_HEADER,
+    METRICS_HEADER,
+    MODEL_FILES,
+    ROLLOUT_HEADER,
+    Manifest,
+    Plan,
+    RepairStatus,
+    RolloutDirective,
+    Verdict,
+)
 from shared.relay import PeerAnnouncement, PeerList
-from shared.schemas import one_line_error
+from shared.schemas import MAX_GROUP_ID_CHARS, one_line_error
+from shared.settings import publish_credential
 from shared.storage import ObjectStorage
 
 log = logging.getLogger(__name__)
@@ -52,12 +64,20 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
     storage = storage or ObjectStorage(settings.store_url, options=settings.store_options)
     announcer = RedisAnnouncer(settings.redis_url, settings.redis_prefix) if settings.redis_url else None
     registry = Registry(storage, settings, announce=announcer.announce if announcer else None)
-    if not settings.api_token:
-        log.warning("SPARSECAST_API_TOKEN is unset: any local process can publish (loopback only)")
+    # Publishing (patches, snapshots, model files) needs the publish token, which only the trainer
+    # holds; the API token (workers' relay announcements, merge-building plans) cannot publish.
+    publish_token = publish_credential(settings.publish_token, settings.api_token, "registry")
+    if not publish_token:
+        log.warning("SPARSECAST_PUBLISH_TOKEN is unset: any local process can publish (loopback only)")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        stop = asyncio.Event()
+        maintenance = asyncio.create_task(registry.maintain(stop))  # scrub, store-full probe
         yield
+        stop.set()
+        with contextlib.suppress(Exception):
+            await maintenance
         await registry.close()
         if announcer:
             await announcer.aclose()
@@ -67,27 +87,38 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
     app.state.registry = registry
     install_error_handling(app)
     reads = error_responses(404)
-    writes = error_responses(400, 401, 409, 413)
+    writes = error_responses(400, 401, 408, 409, 413, 507)
 
     @app.exception_handler(RegistryError)
     async def registry_error(request: Request, exc: RegistryError) -> JSONResponse:
         registry.metrics.rejections.labels(str(exc.status)).inc()
         headers = {"Content-Range": f"bytes */{exc.size}"} if isinstance(exc, BadRange) else None
+        if isinstance(exc, InsufficientStorage):  # an outage: clients wait and retry (shared.retry)
+            headers = {"Retry-After": str(exc.retry_after_s)}
         return JSONResponse({"detail": str(exc)}, status_code=exc.status, headers=headers)
 
-    def bearer(request: Request) -> bool:
-        """The request carries the configured token (never true when none is configured)."""
+    def carries(request: Request, token: str | None) -> bool:
+        """The request carries `token` (never true for an unset one)."""
         given = request.headers.get("authorization", "")
-        expected = f"Bearer {settings.api_token}"
-        return bool(settings.api_token) and hmac.compare_digest(
-            given.encode("utf-8", "replace"), expected.encode()
-        )
+        expected = f"Bearer {token}".encode()
+        return bool(token) and hmac.compare_digest(given.encode("utf-8", "replace"), expected)
+
+    def bearer(request: Request) -> bool:
+        """The request carries the API token or the publish token."""
+        return carries(request, settings.api_token) or carries(request, publish_token)
+
+    def refuse() -> None:
+        registry.metrics.rejections.labels("401").inc()
+        raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
     def require_token(request: Request) -> None:
         # Without a token writes are open: allowed on loopback only (__main__ refuses other binds).
         if settings.api_token and not bearer(request):
-            registry.metrics.rejections.labels("401").inc()
-            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+            refuse()
+
+    def require_publish_token(request: Request) -> None:
+        if publish_token and not carries(request, publish_token):
+            refuse()
 
     async def read_body(request: Request, kind: UploadKind) -> bytes:
         """The upload, streamed in: size limit, magic bytes and the body's own declared length are
@@ -96,7 +127,21 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
         check = UploadCheck(
             kind, settings.max_upload_bytes, int(declared) if declared and declared.isdigit() else None
         )
-        async for chunk in request.stream():
+        # A slow client is refused (408), not waited for: no chunk for upload_idle_s, or longer
+        # than upload_timeout_s in all, holds neither memory nor a connection for long.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + settings.upload_timeout_s
+        chunks = request.stream().__aiter__()
+        while True:
+            wait = min(settings.upload_idle_s, deadline - loop.time())
+            try:
+                chunk = await asyncio.wait_for(anext(chunks), timeout=max(wait, 0.0))
+            except StopAsyncIteration:
+                break
+            except TimeoutError as exc:
+                raise TimedOut(f"upload stalled: no bytes for {settings.upload_idle_s:g} s, or over "
+                               f"{settings.upload_timeout_s:g} s in all (after {len(check.body)} bytes)"
+                               ) from exc
             check.feed(chunk)
         return check.finish()
 
@@ -121,9 +166,27 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
         except ValidationError as exc:
             raise HTTPException(422, f"{ROLLOUT_HEADER}: {one_line_error(exc)}") from exc
 
+    def group_ids(request: Request) -> list[str]:
+        """The upload's X-Sparsecast-Groups header: a JSON list of group ids (the prompt groups the
+        version trained), [] when absent; anything else is a 422."""
+        raw = request.headers.get(GROUPS_HEADER)
+        if raw is None:
+            return []
+        try:
+            value = json.loads(raw)
+        except ValueError as exc:
+            raise HTTPException(422, f"{GROUPS_HEADER} is not JSON: {exc}") from exc
+        if not isinstance(value, list) or not all(
+                isinstance(g, str) and 0 < len(g) <= MAX_GROUP_ID_CHARS for g in value):
+            raise HTTPException(422, f"{GROUPS_HEADER} must be a JSON list of group ids "
+                                     f"(strings of 1-{MAX_GROUP_ID_CHARS} characters)")
+        return value
+
     @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    async def healthz() -> dict[str, Any]:
+        """Alive (always 200): `status` is `degraded`, with `reasons`, while the store is full, the
+        scrub cannot reach it or a run's head cannot be reached from a good snapshot."""
+        return registry.health()
 
     @app.get("/readyz", responses={503: {"description": "the store cannot be reached"}})
     async def readyz() -> JSONResponse:
@@ -136,7 +199,22 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
 
     @app.get("/metrics", responses=PROMETHEUS_TEXT)
     async def metrics() -> Response:
+        registry.health()  # refreshes the quarantine gauges
         return Response(generate_latest(registry.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/runs/{run}/quarantine", responses=reads)
+    async def quarantine(run: Run) -> RepairStatus:
+        """Stored objects found corrupt or gone (plans route around them), and the version a
+        snapshot is wanted of while no good snapshot and chain reach the head (the trainer polls
+        this and uploads one)."""
+        return await registry.repair_status(run)
+
+    @app.post("/v1/runs/{run}/quarantine/{key:path}", responses=reads)
+    async def report_corrupt(run: Run, key: ObjectKey) -> Verdict:
+        """A reader found this object failing its sha256. The registry re-checks what it stores and
+        quarantines it if bad (a report alone proves nothing; a good object is not re-checked for
+        a minute)."""
+        return await registry.report_corrupt(run, key)
 
     @app.get("/v1/runs/{run}/versions", responses=reads)
     async def versions(run: Run) -> list[Manifest]:
@@ -195,7 +273,8 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
             media_type="application/octet-stream",
         )
 
-    @app.put("/v1/runs/{run}/patches/{version}", dependencies=[Depends(require_token)], responses=writes,
+    @app.put("/v1/runs/{run}/patches/{version}", dependencies=[Depends(require_publish_token)],
+             responses=writes,
              openapi_extra=upload_body("a patch, docs/patch-format.md"))
     async def put_patch(run: Run, version: int, request: Request, metrics: str | None = None) -> Manifest:
         raw = request.headers.get(METRICS_HEADER) or metrics or "{}"
@@ -206,10 +285,12 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
         if not isinstance(step_metrics, dict):
             raise HTTPException(422, "metrics must be a JSON object")
         rollout = rollout_directive(request)
+        groups = group_ids(request)
         return await registry.publish_patch(run, version, await read_body(request, "patch"), step_metrics,
-                                            rollout)
+                                            rollout, groups)
 
-    @app.put("/v1/runs/{run}/snapshots/{version}", dependencies=[Depends(require_token)], responses=writes,
+    @app.put("/v1/runs/{run}/snapshots/{version}", dependencies=[Depends(require_publish_token)],
+             responses=writes,
              openapi_extra=upload_body("a snapshot: safetensors with sparsecast metadata"))
     async def put_snapshot(run: Run, version: int, request: Request) -> Manifest:
         rollout = rollout_directive(request)
@@ -222,7 +303,7 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
 
     @app.put(
         "/v1/runs/{run}/model/{name}",
-        dependencies=[Depends(require_token)],
+        dependencies=[Depends(require_publish_token)],
         responses=writes,
         openapi_extra={
             "requestBody": {

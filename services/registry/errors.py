@@ -23,6 +23,17 @@ class Invalid(RegistryError):
     status = 422
 
 
+class TimedOut(RegistryError):
+    status = 408
+
+
+class InsufficientStorage(RegistryError):
+    """The store is full (shared.storage.StoreFull): an outage, retried by clients."""
+
+    status = 507
+    retry_after_s = 5
+
+
 class BadRange(RegistryError):
     status = 416
 

@@ -23,16 +23,18 @@ log = logging.getLogger(__name__)
 class Merger:
     """Builds and caches merged patches. `read_verified(run, ref)` reads a stored object with its
     piece hashes checked; `state_at(run, version)` gives full weights (the base a merge of mixed
-    encodings needs)."""
+    encodings needs); `write(run, state, key, data)` stores an object of the run."""
 
     def __init__(self, storage: ObjectStorage, settings: RegistrySettings, metrics: RegistryMetrics,
                  read_verified: Callable[[str, ObjectRef], Awaitable[bytes]],
-                 state_at: Callable[[str, int], Awaitable[dict[str, torch.Tensor]]]) -> None:
+                 state_at: Callable[[str, int], Awaitable[dict[str, torch.Tensor]]],
+                 write: Callable[[str, RunState, str, bytes], Awaitable[None]]) -> None:
         self.storage = storage
         self.settings = settings
         self.metrics = metrics
         self.read_verified = read_verified
         self.state_at = state_at
+        self.write = write
         self._locks: dict[tuple[str, int, int], asyncio.Lock] = {}
         # Merges are CPU-heavy (seconds for a 1.7B chain): one at a time, whoever asks.
         self._slot = asyncio.Semaphore(1)
@@ -87,8 +89,12 @@ class Merger:
                 return None
             key = f"merged/{a}-{b}.patch"
             ref = object_ref(key, data, self.settings.piece_bytes)
-            await self.storage.put(f"{run}/{key}", data)
-            await self.storage.put(f"{run}/merged/{a}-{b}.json", ref.model_dump_json().encode())
+            try:
+                await self.write(run, state, key, data)
+                await self.write(run, state, f"merged/{a}-{b}.json", ref.model_dump_json().encode())
+            except Exception as exc:  # noqa: BLE001 - e.g. a full store: plans use the chain meanwhile
+                log.warning("storing merged %s %d→%d failed: %s", run, a, b, exc)
+                return None
             state.merged[(a, b)] = ref
             self.metrics.merge_seconds.observe(time.perf_counter() - t0)
             return ref

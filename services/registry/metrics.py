@@ -45,3 +45,36 @@ class RegistryMetrics:
             "Objects removed by retention.",
             registry=self.registry,
         )
+        # Self-repair (services.registry.repair, docs/registry.md).
+        self.store_full = Gauge(
+            "sparsecast_registry_store_full", "1 while the store refuses writes for lack of space.",
+            registry=self.registry,
+        )
+        self.store_full_refusals = Counter(
+            "sparsecast_registry_store_full_refusals_total",
+            "Writes the store refused for lack of space (answered 507).",
+            registry=self.registry,
+        )
+        self.corrupt_found = Counter(
+            "sparsecast_registry_corrupt_objects_total",
+            "Stored objects found corrupt or gone, by who found them (reader, scrub, registry).",
+            ["found_by"],
+            registry=self.registry,
+        )
+        self.quarantined = Gauge(
+            "sparsecast_registry_quarantined_objects", "Objects quarantined now.", ["run"],
+            registry=self.registry,
+        )
+        self.snapshot_wanted = Gauge(
+            "sparsecast_registry_snapshot_wanted",
+            "1 while no good snapshot and chain reach the run's head (the trainer is asked for one).",
+            ["run"],
+            registry=self.registry,
+        )
+        self.scrubbed_bytes = Counter(
+            "sparsecast_registry_scrubbed_bytes_total", "Bytes re-hashed by the scrub.",
+            registry=self.registry,
+        )
+        self.scrub_passes = Counter(
+            "sparsecast_registry_scrub_passes_total", "Completed scrub passes.", registry=self.registry,
+        )

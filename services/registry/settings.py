@@ -18,8 +18,13 @@ class RegistrySettings(ServiceSettings):
     # writes are open, which is allowed on a loopback bind only (the service refuses to start
     # otherwise). run: the run served by default (e.g. the CLI's); the HTTP API serves any run
     # named in the path. redis_url: where new versions are announced (unset: not announced).
+    # publish_token (SPARSECAST_PUBLISH_TOKEN): the bearer token of publishing (patches, snapshots,
+    # model files), held by the trainer alone; unset: api_token (deprecated, warned once). The api
+    # token then stays for workers' relay announcements and merge-building plans (the publish
+    # token is accepted there too).
+    publish_token: str | None = None
     # The registry materializes a full snapshot every N versions (grail/PULSE keep a full
-    # checkpoint every 10 versions, REFERENCE §2); 0 turns that off (trainer uploads only).
+    # checkpoint every 10 versions, arXiv 2602.03839); 0 turns that off (trainer uploads only).
     snapshot_every: int = Field(default=10, ge=0)
     keep_snapshots: int = Field(default=2, ge=1)
     max_upload_bytes: int = Field(default=16 << 30, gt=0)
@@ -37,3 +42,13 @@ class RegistrySettings(ServiceSettings):
     # long; plans and announcements list at most peer_max_listed peers per object.
     peer_ttl_s: float = Field(default=60.0, gt=0)
     peer_max_listed: int = Field(default=3, ge=0)
+    # The scrub re-hashes every stored object of every run in the store against its manifest's piece
+    # hashes every scrub_every_s (0: never; readers' reports still quarantine), reading at most
+    # scrub_bytes_per_s so that it never competes with serving (docs/registry.md, self-repair).
+    scrub_every_s: float = Field(default=3600.0, ge=0)
+    scrub_bytes_per_s: float = Field(default=float(64 << 20), gt=0)
+    # Slow clients: an idle keep-alive connection is closed after keep_alive_s; an upload whose
+    # body stalls for upload_idle_s, or takes longer than upload_timeout_s in all, is refused (408).
+    keep_alive_s: int = Field(default=5, ge=1)
+    upload_idle_s: float = Field(default=60.0, gt=0)
+    upload_timeout_s: float = Field(default=3600.0, gt=0)

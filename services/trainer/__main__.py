@@ -1,4 +1,5 @@
-"""python -m services.trainer — the trainer service (settings: SPARSECAST_* env vars, see README).
+"""python -m services.trainer — the trainer service (settings: SPARSECAST_* env vars,
+docs/configuration.md).
 
 Under torchrun with more than one process (docs/distributed.md), rank 0 serves the API and drives
 the learner; the other ranks build the same sharded learner and follow rank 0's commands."""
@@ -22,7 +23,6 @@ def main(argv: list[str] | None = None) -> int:
         return code
     # After --help: the app and the distributed learner import torch.
     from services.trainer.app import create_app
-    from services.trainer.core import resolve_model_dir
     from services.trainer.distributed import (
         init_process_groups,
         launched_distributed,
@@ -35,11 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     if launched_distributed():
         rank, world = init_process_groups(settings.device)
         logging.getLogger(__name__).info("rank %d of %d", rank, world)
-        model_dir = prepare_model(settings, resolve_model_dir)  # rank 0 first (a warm start is trained once)
+        model_dir = prepare_model(settings)  # rank 0 first (a warm start is trained once)
         if rank > 0:
             run_follower(settings, model_dir)
             return 0
     require_token_off_loopback("trainer", settings.host, settings.api_token)
+    if not settings.worker_token:
+        logging.getLogger(__name__).warning(
+            "SPARSECAST_WORKER_TOKEN is unset: trajectories are not authenticated (only their groups and "
+            "rewards are checked against the ledger); set it on the trainer and every worker off loopback")
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
                 timeout_graceful_shutdown=60)
     return 0

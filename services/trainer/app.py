@@ -4,7 +4,6 @@ intake in services.trainer.intake)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import secrets
 from collections.abc import AsyncIterator
@@ -144,9 +143,8 @@ def create_app(settings: TrainerSettings | None = None) -> FastAPI:
 
     @app.post("/v1/checkpoint", dependencies=[Depends(authorize)], responses=controls)
     async def checkpoint(trainer: Trainer = Depends(get_trainer)) -> dict:
-        await trainer.wait_published()
-        path = await asyncio.to_thread(trainer.save_checkpoint)
-        return {"step": trainer.step, "version": trainer.version, "path": str(path)}
+        path = await trainer.checkpoint()
+        return {"step": trainer.step, "version": trainer.state_version, "path": str(path)}
 
     @app.get("/healthz")
     async def healthz(response: Response) -> dict:

@@ -10,6 +10,12 @@ checkpoint due after it), so versions stay a chain.
 Faults (docs/coordination.md): every call to Redis or the registry rides out outages with backoff
 (shared.retry), so a step waits for the registry instead of being dropped; a ledger of prompt
 groups (ledger.py) lets the trainer queue again what Redis lost, and never train a group twice.
+
+Progress is the registry's head: step k makes version k, `max_steps` counts versions, and a
+restarted trainer goes on at head + 1. The learner's state (master weights, Adam moments, step
+counter, RNG) is checkpointed for a version *before* that version is published, so after any crash
+the trainer holds the exact state of the head; each manifest lists the groups trained into it, so
+the registry, not a ledger row written after the commit, says which groups are trained.
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
+from services.trainer.admission import refusal
 from services.trainer.distributed import make_learner
 from services.trainer.kv_budget import KVBudgetController, evidence_from_step
-from services.trainer.learner import Captured
-from services.trainer.ledger import GroupLedger
+from services.trainer.learner import Captured, LearnerConfig
+from services.trainer.ledger import GroupLedger, disk_full, fsync_dir, fsync_tree
+from services.trainer.model_dir import resolve_model_dir
 from services.trainer.settings import TrainerSettings
 from shared.agreement import sampling_mismatch
 from shared.coord import Coordinator
@@ -51,6 +59,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 LOOP = "trainer"  # the name of the step loop in Liveness
+CHECKPOINTS = "checkpoints"  # in the data dir: one folder per version, v00000012
+KEEP_CHECKPOINTS = 2  # the head's, and the one before it (the newest may be of an unpublished step)
 EVAL_SEED = 424_242  # held-out prompts and their sampling: the same at every evaluation
 
 
@@ -60,19 +70,8 @@ class TrainerHealth:
 
     redis: Outage = field(default_factory=lambda: Outage("redis", log))
     registry: Outage = field(default_factory=lambda: Outage("registry", log))
+    disk: Outage = field(default_factory=lambda: Outage("disk", log))  # the data dir full: waited out
     liveness: Liveness = field(default_factory=Liveness)
-
-
-def resolve_model_dir(settings: TrainerSettings) -> Path:
-    if settings.model == "tiny-demo":
-        from services.trainer.warmstart import ensure_warmstart_model
-
-        return ensure_warmstart_model(Path(settings.warmstart_cache))
-    path = Path(settings.model)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{path} is not a HF model directory (no config.json); use 'tiny-demo' or a model dir")
-    return path
 
 
 class Trainer:
@@ -88,13 +87,17 @@ class Trainer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.learner = make_learner(settings, self.model_dir, pad_id)
+        self.learner = make_learner(LearnerConfig.of(settings), self.model_dir, pad_id)
         self.version = 0  # the version published (and announced) last
+        # The version the learner's state is at: version + 1 between a step's update and its publish.
+        self.state_version = 0
         self.dense_bytes, self.numel = self.learner.dense_bytes, self.learner.numel
-        self._checkpointed_step = 0
         self.history: list[dict[str, Any]] = []
         self.metrics_path = self.data_dir / "metrics.jsonl"
-        self.checkpoint_dir = self.data_dir / "checkpoint"
+        self.checkpoint_root = self.data_dir / CHECKPOINTS
+        # Held from a step's update until its checkpoint is written: a checkpoint asked for over
+        # HTTP waits, so it never records a state between two versions (nor races a collective).
+        self.state_lock = asyncio.Lock()
         self.paused = asyncio.Event()  # set = paused
         self.finished = asyncio.Event()
         self.state = "starting"
@@ -106,6 +109,7 @@ class Trainer:
         self.refused: dict[str, int] = {}
         self._refused_this_step = 0
         self.eval_baseline: dict[str, float] | None = None  # held-out figures before the first step
+        self.resumed: dict[str, Any] | None = None  # the checkpoint this process resumed from, checked
         self.ledger = ledger or GroupLedger.in_dir(self.data_dir, settings.run)
         self._ledger_existed = self.ledger.existed
         self.held: set[str] = set()  # groups whose trajectories the trainer holds, not yet published
@@ -131,14 +135,16 @@ class Trainer:
     # -- startup and resume --
 
     async def start(self, stop: asyncio.Event | None = None) -> None:
-        """Resume from the checkpoint if any, and make the registry hold our current version.
+        """Resume from the checkpoint of the registry's head (or the newest one before it), settle
+        the groups the published versions trained, and make the registry hold our current version.
         Waits (with backoff) for a registry or Redis that is not reachable yet."""
         if stop is not None:
             self._stop = stop
-        if (self.checkpoint_dir / "trainer.pt").is_file():
-            await asyncio.to_thread(self._load_checkpoint)
-        fp = self.learner.published_fingerprint
         latest = await self._registry(self.registry.latest)
+        checkpoint = self._usable_checkpoint(latest.version if latest is not None else None)
+        if checkpoint is not None:
+            await asyncio.to_thread(self._load_checkpoint, checkpoint)
+        fp = self.learner.published_fingerprint
         if latest is None:
             await self._publish_model_files()
             full = self._cpu(await asyncio.to_thread(self.learner.full_published))
@@ -149,25 +155,45 @@ class Trainer:
         elif latest.version == self.version and latest.fingerprint == fp:
             log.info("registry head v%d matches our weights (%s)", latest.version, fp)
         elif latest.version > self.version:
-            # Published after our last checkpoint: continue from the registry's weights so the
-            # version chain stays intact (the optimizer state is the checkpoint's).
-            log.warning("registry is at v%d, checkpoint at v%d: loading the registry's weights",
-                        latest.version, self.version)
+            # No checkpoint of the head (checkpoint_every > 1, or the data dir was lost): continue
+            # from the registry's weights so the chain stays intact. The optimizer state is the
+            # older checkpoint's (or fresh): what such a crash costs (docs/coordination.md).
+            moments = f"{latest.version - self.version} versions old" if checkpoint is not None else "fresh"
+            log.warning("registry is at v%d, the newest usable checkpoint at v%s: loading the registry's "
+                        "weights; Adam moments are %s", latest.version,
+                        self.version if checkpoint is not None else "-", moments)
             state = self._cpu(await asyncio.to_thread(self.learner.full_published))
             base = self.version if self.version or self.step else None
             result = await self._registry(lambda: sync_weights(self.registry, state, base, latest.version))
             await asyncio.to_thread(self._load_published, state, result.version)
+            self.learner.set_step(self.version)  # progress is the head: step k makes version k
         else:
             raise RuntimeError(
                 f"registry run {self.settings.run!r} is at v{latest.version} ({latest.fingerprint}) but the "
                 f"trainer holds v{self.version} ({fp}): use another run name or the matching checkpoint")
+        self.state_version = self.version
         if latest is not None:
             self.resume_kv_control(latest)
+            await self._settle_from_registry()
         await self._redis(self.maintain)
         if self.settings.eval_every and self.step == 0:
             self.eval_baseline = await asyncio.to_thread(self.evaluate)
             log.info("held-out accuracy before training: %.3f", self.eval_baseline["heldout_accuracy"])
         self.state = "running"
+
+    async def _settle_from_registry(self) -> None:
+        """Mark trained every group a published version lists that the ledger does not: a crash
+        between the registry's commit and the ledger row must not let a group be trained again."""
+        manifests = await self._registry(self.registry.versions)
+        settled = 0
+        for manifest in sorted(manifests, key=lambda m: m.version):
+            fresh = [g for g in manifest.groups if g not in self.ledger.trained]
+            if fresh:
+                await self._on_disk(functools.partial(self.ledger.settle_trained, fresh, manifest.version))
+                settled += len(fresh)
+        if settled:
+            log.warning("%d groups were trained into published versions the ledger had not recorded "
+                        "(a crash after a publish): settled, not trained again", settled)
 
     async def _publish_model_files(self) -> None:
         for name in MODEL_FILES:
@@ -203,7 +229,7 @@ class Trainer:
         try:
             while not stop.is_set():
                 self.beat()
-                if self.settings.max_steps and self.step >= self.settings.max_steps:
+                if self.done:
                     break
                 if self.paused.is_set():
                     self.state = "paused"
@@ -213,38 +239,49 @@ class Trainer:
                 trajectories = await self.collect(stop)
                 if not trajectories:
                     continue
-                await self._settle_published()  # the previous version is out, its checkpoint written
+                await self.wait_published()  # versions stay a chain
                 self.state = "training"
                 t0 = time.perf_counter()
-                metrics = await asyncio.to_thread(self.train_step, trajectories)
-                metrics["train_seconds"] = time.perf_counter() - t0
-                t_capture = time.perf_counter()
                 target = self.version + 1
-                every = self.settings.upload_snapshot_every
-                snapshot = bool(every and target % every == 0)
-                captured = await asyncio.to_thread(self.learner.capture, snapshot)
-                metrics["capture_seconds"] = time.perf_counter() - t_capture
+                async with self.state_lock:
+                    metrics = await asyncio.to_thread(self.train_step, trajectories)
+                    metrics["train_seconds"] = time.perf_counter() - t0
+                    t_capture = time.perf_counter()
+                    every = self.settings.upload_snapshot_every
+                    snapshot = bool(every and target % every == 0)
+                    captured = await asyncio.to_thread(self.learner.capture, snapshot)
+                    metrics["capture_seconds"] = time.perf_counter() - t_capture
+                    self.state_version = target
+                    # The state of `target` is on disk before `target` exists anywhere else.
+                    every = self.settings.checkpoint_every
+                    if every and target % every == 0:
+                        t_save = time.perf_counter()
+                        await self._on_disk(self.save_checkpoint)
+                        metrics["checkpoint_seconds"] = time.perf_counter() - t_save
                 group_ids = [t.group_id for t in trajectories]
                 self._publish_task = asyncio.create_task(
                     self.publish(captured, metrics, t0, group_ids, self.rollout_directive()))
-            await self._settle_published()
+            await self.wait_published()
         finally:
-            done = bool(self.settings.max_steps and self.step >= self.settings.max_steps)
-            self.state = "finished" if done else "stopped"
+            published = self.settings.max_steps and self.version >= self.settings.max_steps
+            self.state = "finished" if published else "stopped"
             self.finished.set()
+
+    @property
+    def done(self) -> bool:
+        """`max_steps` versions are trained (0: never done); the last may still be publishing."""
+        return bool(self.settings.max_steps and self.state_version >= self.settings.max_steps)
 
     async def wait_published(self) -> None:
         if self._publish_task is not None:
             task, self._publish_task = self._publish_task, None
             await task
 
-    async def _settle_published(self) -> None:
-        """Wait for the last publish, then write the checkpoint due at this step (before the next
-        step starts: with several processes a checkpoint is a collective that must not overlap it)."""
-        await self.wait_published()
-        every = self.settings.checkpoint_every
-        if every and self.step % every == 0 and self.step != self._checkpointed_step:
-            await asyncio.to_thread(self.save_checkpoint)
+    async def _on_disk(self, fn: Callable[[], T]) -> T:
+        """fn() in a thread, waited out while the data dir is full (ENOSPC/EDQUOT): logged once per
+        outage, counted, /healthz degraded; resumes by itself when space returns."""
+        return await self.health.disk.call(lambda: asyncio.to_thread(fn), self._stop, self.beat,
+                                           retry_if=disk_full)
 
     async def collect(self, stop: asyncio.Event) -> list[Trajectory]:
         """Up to groups_per_step trajectories; after collect_timeout_s, whatever arrived. Redis
@@ -332,11 +369,14 @@ class Trainer:
         return sampling_mismatch(self.settings, trajectory.sampling)
 
     def _accept(self, trajectory: Trajectory) -> bool:
-        reason = self.sampling_mismatch(trajectory)
+        """Train only admitted data sampled as assumed: the sampling contract, then admission
+        (signature, a group this ledger admitted, its prompt, the task's own rewards)."""
+        reason = self.sampling_mismatch(trajectory) or refusal(
+            trajectory, self.ledger, self.settings.worker_token, self.tokenizer)
         if reason is None:
             return True
         if reason not in self.refused:
-            log.warning("refusing trajectories of worker %s: %s", trajectory.worker_id, reason)
+            log.warning("refusing trajectories (first from worker %r): %s", trajectory.worker_id, reason)
         self.refused[reason] = self.refused.get(reason, 0) + 1
         self._refused_this_step += 1
         return False
@@ -381,7 +421,8 @@ class Trainer:
         }
         t_up = time.perf_counter()
         try:
-            await self._registry(lambda: self._put_patch(target, patch, header, _jsonable(metrics), rollout))
+            await self._registry(lambda: self._put_patch(target, patch, header, _jsonable(metrics), rollout,
+                                                         list(group_ids)))
             if captured.state is not None:
                 data = await asyncio.to_thread(save_snapshot, self._cpu(captured.state),
                                                run=self.settings.run, version=target)
@@ -394,20 +435,23 @@ class Trainer:
         metrics["step_seconds"] = time.perf_counter() - t0
         metrics["time"] = time.time()
         self.version = target
-        await asyncio.to_thread(self.ledger.settle_trained, list(group_ids), target)
+        await self._on_disk(functools.partial(self.ledger.settle_trained, list(group_ids), target))
         self.held.difference_update(group_ids)
         await self._redis(lambda: self.coord.set_trainer_version(target))
         self.history.append(metrics)
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(_jsonable(metrics)) + "\n")
+        await self._on_disk(functools.partial(self._append_metrics, metrics))
         log.info("step %d → v%d: reward %.3f acc %.3f changed %.2f%% patch %d B (%.0fx smaller)",
                  metrics["step"], target, metrics["reward_mean"], metrics["accuracy"],
                  100 * metrics["changed_fraction"], len(patch), metrics["payload_ratio"])
 
-    async def _put_patch(self, target: int, patch: bytes, header: PatchHeader,
-                         metrics: dict[str, Any], rollout: RolloutDirective | None = None) -> None:
+    def _append_metrics(self, metrics: dict[str, Any]) -> None:
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(_jsonable(metrics)) + "\n")
+
+    async def _put_patch(self, target: int, patch: bytes, header: PatchHeader, metrics: dict[str, Any],
+                         rollout: RolloutDirective | None = None, groups: list[str] | None = None) -> None:
         try:
-            await self.registry.publish_patch(target, patch, metrics=metrics, rollout=rollout)
+            await self.registry.publish_patch(target, patch, metrics=metrics, rollout=rollout, groups=groups)
         except RegistryHTTPError as exc:
             # A try whose answer was lost may have landed: then the version is ours, not a conflict.
             if exc.status == 409:
@@ -424,38 +468,74 @@ class Trainer:
     # -- checkpoints --
 
     def save_checkpoint(self) -> Path:
-        """Master weights and optimizer (the learner's, sharded with several processes), version,
-        step and history, written atomically."""
-        tmp = self.checkpoint_dir.with_name(self.checkpoint_dir.name + ".tmp")
+        """Master weights and optimizer (the learner's, sharded with several processes), the step,
+        RNG and KV controller, as of `state_version`, written atomically to a folder of their own;
+        older ones beyond KEEP_CHECKPOINTS are removed. Call with `state_lock` held (or no step
+        running): the learner's state must be that of one version."""
+        version = self.state_version
+        final = self.checkpoint_root / f"v{version:08d}"
+        tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         self.learner.save(tmp)
         torch.save({
-            "version": self.version,
+            "version": version,
+            "fingerprint": self.learner.published_fingerprint,
+            "state_checksum": self.learner.state_checksum(),
             "history": self.history,
             "rng": torch.get_rng_state(),
             "numpy_rng": np.random.get_state(),
             "kv_control": self.kv_control.state(),
         }, tmp / "trainer.pt")
-        old = self.checkpoint_dir.with_name(self.checkpoint_dir.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        if self.checkpoint_dir.exists():
-            os.rename(self.checkpoint_dir, old)
-        os.rename(tmp, self.checkpoint_dir)
-        shutil.rmtree(old, ignore_errors=True)
-        self._checkpointed_step = self.step
-        log.info("checkpoint at step %d, v%d", self.step, self.version)
-        return self.checkpoint_dir
+        fsync_tree(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        fsync_dir(self.checkpoint_root)
+        for old in self._checkpoints()[:-KEEP_CHECKPOINTS]:
+            shutil.rmtree(old[1], ignore_errors=True)
+        log.debug("checkpoint at step %d, v%d", self.step, version)
+        return final
 
-    def _load_checkpoint(self) -> None:
-        ckpt = torch.load(self.checkpoint_dir / "trainer.pt", weights_only=False)
-        self.learner.load(self.checkpoint_dir)
+    async def checkpoint(self) -> Path:
+        """A checkpoint now (POST /v1/checkpoint), between two steps' updates."""
+        async with self.state_lock:
+            return await asyncio.to_thread(self.save_checkpoint)
+
+    def _checkpoints(self) -> list[tuple[int, Path]]:
+        """Complete checkpoints by version, oldest first (a `.tmp` folder is a crash mid-write)."""
+        found = []
+        if self.checkpoint_root.is_dir():
+            for path in self.checkpoint_root.iterdir():
+                if path.name.startswith("v") and path.name[1:].isdigit() and (path / "trainer.pt").is_file():
+                    found.append((int(path.name[1:]), path))
+        return sorted(found)
+
+    def _usable_checkpoint(self, head: int | None) -> Path | None:
+        """The newest checkpoint at or before the registry's head; newer ones are of steps whose
+        version was never published (their groups go back to the queue): removed."""
+        usable = None
+        for version, path in self._checkpoints():
+            if head is not None and version > head:
+                log.warning("checkpoint v%d was never published (head v%d): discarded", version, head)
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                usable = path
+        return usable
+
+    def _load_checkpoint(self, path: Path) -> None:
+        ckpt = torch.load(path / "trainer.pt", weights_only=False)
+        self.learner.load(path)
         self.version, self.history = ckpt["version"], ckpt["history"]
         torch.set_rng_state(ckpt["rng"])
         np.random.set_state(ckpt["numpy_rng"])
         if self.kv_control.adaptive and "kv_control" in ckpt:  # the head manifest, if newer, wins (start)
             self.kv_control.load_state(ckpt["kv_control"])
-        self._checkpointed_step = self.step
+        # The resume check: the state now equals the state the saving process held (both taken
+        # from live tensors, so a faulty save or load shows as a mismatch).
+        self.resumed = {"version": self.version, "saved_checksum": ckpt.get("state_checksum"),
+                        "loaded_checksum": self.learner.state_checksum()}
+        if self.resumed["saved_checksum"] not in (None, self.resumed["loaded_checksum"]):
+            log.error("the optimizer state loaded from %s differs from the one saved: %s", path, self.resumed)
         log.info("resumed from checkpoint: step %d, v%d", self.step, self.version)
 
 

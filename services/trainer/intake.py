@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from services.trainer.ledger import GroupLedger
+from services.trainer.ledger import GroupLedger, disk_full
 from services.trainer.settings import TrainerSettings
 from shared.coord import Coordinator, QueueFull
 from shared.retry import transient
@@ -143,6 +143,11 @@ async def enqueue(settings: TrainerSettings, ledger: GroupLedger, coord: Coordin
         ids = await ledger.submit(coord, groups)
     except QueueFull as exc:
         raise IntakeError(429, str(exc)) from exc
+    except OSError as exc:
+        if not disk_full(exc):
+            raise
+        # Nothing queued: a group must be on disk before it is queued.
+        raise IntakeError(503, f"the trainer's disk is full, nothing was queued; retry later: {exc}") from exc
     except Exception as exc:
         if not transient(exc):
             raise

@@ -14,6 +14,7 @@ the run's streams has been lost; `Trainer.reconcile` queues it again (docs/coord
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import secrets
@@ -24,6 +25,47 @@ from shared.coord import Coordinator
 from shared.schemas import PromptGroup
 
 LEDGER_FILE = "groups.jsonl"  # in the trainer's data dir
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # a write that failed for want of space: an outage
+# Rewritten to its live rows (open groups in full, trained and dead ids) once it is this big and
+# twice its size after the last rewrite: withdrawn groups and settled ones' prompts drop out.
+COMPACT_FROM_BYTES = 4 << 20
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether a write failed for want of space, also when wrapped (torch.distributed.checkpoint
+    reports its writers' errors inside a CheckpointException, by rank)."""
+    pending, seen = [exc], set()
+    while pending:
+        e = pending.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_FULL:
+            return True
+        pending += [x for x in (e.__cause__, e.__context__) if x is not None]
+        failures = getattr(e, "failures", None)  # CheckpointException: rank -> (exception, traceback)
+        if isinstance(failures, dict):
+            pending += [f[0] for f in failures.values() if isinstance(f, tuple) and f
+                        and isinstance(f[0], BaseException)]
+    return False
+
+
+def fsync_dir(path: Path) -> None:
+    """A rename inside `path` survives a power loss only once the folder itself is synced."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """A checkpoint is trusted after a power loss only if its bytes reached the disk."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir(root)
 
 
 class GroupLedger:
@@ -41,8 +83,10 @@ class GroupLedger:
             # The data dir was reused for another run: that run's record is kept aside, not mixed in.
             path.rename(path.with_name(f"{path.name}.{self._run_of_file()}"))
         self.existed = path.is_file()  # False: a new run (its Redis keys are expected to be absent)
+        self.last_version = 0  # the newest version a `trained` row names
         if self.existed:
             self._load()
+        self._compacted_bytes = path.stat().st_size if self.existed else 0
         if self.epoch is None:
             self.epoch = secrets.token_hex(8)
             self._append([{"epoch": self.epoch, "run": run}])
@@ -76,21 +120,36 @@ class GroupLedger:
                 for gid in row.get("trained", ()):
                     self.trained.add(gid)
                     self.open.pop(gid, None)
+                if row.get("trained") is not None:
+                    self.last_version = max(self.last_version, int(row.get("version") or 0))
                 for gid in row.get("dead", ()):
                     self.dead.add(gid)
                     self.open.pop(gid, None)
 
     def _append(self, rows: Iterable[dict]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as f:
-            for row in rows:
-                f.write(json.dumps(row, separators=(",", ":")) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        text = memoryview("".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows).encode())
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            end = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                while text:
+                    text = text[os.write(fd, text):]
+                os.fsync(fd)
+            except BaseException:
+                # A write cut short (ENOSPC) must not leave half a row: the retried row would be
+                # appended to it and both lost on reading.
+                os.ftruncate(fd, end)
+                raise
+        finally:
+            os.close(fd)
 
     async def submit(self, coord: Coordinator, groups: Sequence[PromptGroup]) -> list[str]:
-        """Record the groups, then enqueue them (QueueFull: withdrawn again and re-raised)."""
+        """Record the groups, then enqueue them. A refusal writes nothing: the queue's room is
+        checked first (QueueFull); only a queue that filled between that check and the enqueue
+        costs a `withdrawn` row."""
         async with self.lock:
+            await coord.check_room(len(groups))
             # An id already open stays as it was; one already trained or dead is not reopened (its
             # new copy is dropped as a duplicate of the counted completion, as before).
             fresh = [
@@ -113,13 +172,41 @@ class GroupLedger:
                 if ids:
                     await asyncio.to_thread(self._append, [{"withdrawn": ids}])
                 raise
+            finally:
+                await asyncio.to_thread(self._maybe_compact)
 
     def settle_trained(self, group_ids: Sequence[str], version: int) -> None:
         """The groups' trajectories are in published version `version`."""
         self._append([{"trained": list(group_ids), "version": version}])
         self.trained.update(group_ids)
+        self.last_version = max(self.last_version, version)
         for gid in group_ids:
             self.open.pop(gid, None)
+        self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        size = self.path.stat().st_size if self.path.is_file() else 0
+        if size >= COMPACT_FROM_BYTES and size >= 2 * self._compacted_bytes:
+            self.compact()
+
+    def compact(self) -> None:
+        """Rewrite the file to what it says now, atomically (a crash leaves the old or the new)."""
+        rows: list[dict] = [{"epoch": self.epoch, "run": self.run}]
+        if self.open:
+            rows.append({"submitted": [g.model_dump() for g in self.open.values()]})
+        if self.trained:
+            rows.append({"trained": sorted(self.trained), "version": self.last_version})
+        if self.dead:
+            rows.append({"dead": sorted(self.dead)})
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with tmp.open("w") as f:
+            for row in rows:
+                f.write(json.dumps(row, separators=(",", ":")) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        fsync_dir(self.path.parent)
+        self._compacted_bytes = self.path.stat().st_size
 
     def settle_dead(self, group_ids: Sequence[str]) -> None:
         fresh = [gid for gid in group_ids if gid not in self.dead]

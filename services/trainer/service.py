@@ -9,6 +9,7 @@ import collections
 import contextlib
 import logging
 import secrets
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,15 +18,19 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
+from services.trainer.admission import worker_refusal
 from services.trainer.core import LOOP, Trainer, TrainerHealth
 from services.trainer.intake import PromptIn, PromptsAccepted, enqueue
 from services.trainer.ledger import GroupLedger
+from services.trainer.repair import repair_loop
 from services.trainer.settings import TrainerSettings
+from services.trainer.warmstart import steps_trained
 from shared.agreement import sampling_mismatch
 from shared.coord import Coordinator, connect
 from shared.health import HealthMetrics
 from shared.registry.client import RegistryClient
 from shared.registry.errors import RegistryHTTPError
+from shared.settings import publish_credential
 
 log = logging.getLogger(__name__)
 # The trainer's own calls ride out registry outages (shared.retry: logged once, counted), so its
@@ -33,6 +38,8 @@ log = logging.getLogger(__name__)
 REGISTRY_RETRIES = 1
 # How long /readyz waits for Redis and the registry to answer.
 PROBE_TIMEOUT_S = 2.0
+# /v1/status waits this long for Redis, then answers from its last reading (with its age).
+STATUS_REDIS_TIMEOUT_S = 0.5
 # Worker throughput is sampled by the server (not by whoever has the dashboard open): every
 # THROUGHPUT_EVERY_S seconds, the last THROUGHPUT_SAMPLES kept (one hour).
 THROUGHPUT_EVERY_S = 5.0
@@ -92,6 +99,9 @@ class TrainerMetrics:
         self.health = HealthMetrics(registry, "trainer")
         self.staleness = Gauge("trainer_staleness_groups", "Groups of the last batch by version lag", ["lag"],
                                registry=registry)
+        # Reasons are short texts of a few kinds (sampling contract, services.trainer.admission).
+        self.refused = Gauge("trainer_refused_trajectories", "Trajectories refused (not trained), by reason",
+                             ["reason"], registry=registry)
 
     def update(
         self, trainer: Trainer | None, health: TrainerHealth, coord_stats: dict[str, Any] | None
@@ -105,10 +115,12 @@ class TrainerMetrics:
                     gauge.set(last[name])
             for lag, count in (last.get("staleness") or {}).items():
                 self.staleness.labels(lag).set(count)
+            for reason, count in trainer.refused.items():
+                self.refused.labels(reason).set(count)
             self.faults["requeued_groups"].set(trainer.requeued)
             self.faults["duplicate_trajectories"].set(trainer.duplicates_dropped)
             self.faults["redis_data_losses"].set(trainer.redis_data_losses)
-        self.health.update([health.redis, health.registry], health.liveness)
+        self.health.update([health.redis, health.registry, health.disk], health.liveness)
         for name, value in (coord_stats or {}).items():
             self.coord.labels(name).set(value)
 
@@ -127,6 +139,7 @@ class TrainerService:
         self.metrics = TrainerMetrics()
         self.state: dict[str, Any] = {"trainer": None, "error": None}
         self.throughput: collections.deque[dict[str, Any]] = collections.deque(maxlen=THROUGHPUT_SAMPLES)
+        self._redis_reading: tuple[float, Any, Any, Any] | None = None  # (time, stats, workers, leases)
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
@@ -135,18 +148,34 @@ class TrainerService:
         settings, state = self.settings, self.state
         redis = connect(settings.redis_url)
         coord = Coordinator(redis, settings.redis_prefix, settings.coord, run=settings.run)
-        client = RegistryClient(
-            settings.registry_url, settings.run, token=self.token, retries=REGISTRY_RETRIES
-        )
+        # Published with the publish token (least privilege: the API token only submits prompts);
+        # with neither set, the generated API token (a loopback registry without tokens takes any).
+        publish_token = (publish_credential(settings.publish_token, settings.api_token, "trainer")
+                         or self.token)
+        client = RegistryClient(settings.registry_url, settings.run, token=publish_token,
+                                retries=REGISTRY_RETRIES)
         ledger = await asyncio.to_thread(GroupLedger.in_dir, settings.data_dir, settings.run)
         state["coord"], state["registry"], state["ledger"] = coord, client, ledger
         stop = asyncio.Event()
         built: list[Trainer] = []
+        boot_clock: list[int] = []  # CPU clock of the thread that builds the trainer
+
+        def build() -> Trainer:
+            boot_clock.append(time.pthread_getcpuclockid(threading.get_ident()))
+            return Trainer(settings, client, coord, ledger=ledger, health=self.health)
+
+        def boot_progress() -> float:
+            """While the trainer is built (warm start, model load: nothing beats yet, and either can
+            outlast SPARSECAST_STALL_S), progress is the warm start's steps plus the building thread's
+            CPU seconds: a load that computes or reads is alive, one blocked on nothing is stuck.
+            Constant once built: the loop's own beats count from then on."""
+            if built or not boot_clock:
+                return 0.0
+            return steps_trained() + time.clock_gettime(boot_clock[0])
 
         async def boot() -> None:
             try:
-                trainer = await asyncio.to_thread(Trainer, settings, client, coord, ledger=ledger,
-                                                  health=self.health)
+                trainer = await asyncio.to_thread(build)
                 built.append(trainer)
                 await trainer.start(stop)
                 state["trainer"] = trainer
@@ -167,14 +196,25 @@ class TrainerService:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), THROUGHPUT_EVERY_S)
 
+        async def head_weights() -> tuple[int, dict[str, Any]] | None:
+            trainer = state["trainer"]
+            if trainer is None:  # not started: the registry's head is not ours yet
+                return None
+            version = trainer.version  # read first: the weights are this version or the next
+            return version, trainer._cpu(await asyncio.to_thread(trainer.learner.full_published))
+
         task = asyncio.create_task(boot())
         sampler = asyncio.create_task(sample_throughput())
-        self.health.liveness.watch(LOOP, task, settings.stall_s, may_finish=True)
+        # Uploads a snapshot of the head when the registry, finding a stored object corrupt,
+        # cannot reach its head otherwise (services.trainer.repair).
+        repairer = asyncio.create_task(repair_loop(client, head_weights, stop))
+        self.health.liveness.watch(LOOP, task, settings.stall_s, may_finish=True, progress=boot_progress)
         try:
             yield
         finally:
             stop.set()
             sampler.cancel()
+            repairer.cancel()
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
                 await asyncio.wait_for(task, timeout=60)
             for trainer in built:  # under torchrun: let the other ranks go
@@ -206,14 +246,21 @@ class TrainerService:
         workers: list = []
         redis_error = None
         held: dict[str, int] = {}
+        table: list = []
         try:
-            stats, workers, table = await asyncio.gather(coord.stats(), coord.workers(), coord.leases(1000))
-            # Leases each worker holds now, from the same table as the queue's count: the two agree.
-            for row in table:
-                if row["expires_in_s"] > 0:
-                    held[row["holder"]] = held.get(row["holder"], 0) + 1
+            # Bounded: a frozen Redis must not hold status up (it answers from the last reading).
+            stats, workers, table = await asyncio.wait_for(
+                asyncio.gather(coord.stats(), coord.workers(), coord.leases(1000)), STATUS_REDIS_TIMEOUT_S)
+            self._redis_reading = (time.time(), stats, workers, table)
         except Exception as exc:  # noqa: BLE001 - status reports a broken dependency, it does not fail
-            redis_error = f"{type(exc).__name__}: {exc}"
+            redis_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            if self._redis_reading is not None:
+                _, stats, workers, table = self._redis_reading
+        # Leases each worker holds now, from the same table as the queue's count: the two agree.
+        for row in table:
+            if row["expires_in_s"] > 0:
+                held[row["holder"]] = held.get(row["holder"], 0) + 1
+        redis_age = round(time.time() - self._redis_reading[0], 3) if self._redis_reading else None
         return {
             "run": settings.run,
             "state": trainer.state if trainer else ("failed" if state["error"] else "starting"),
@@ -223,20 +270,26 @@ class TrainerService:
             "version": trainer.version if trainer else None,
             "max_steps": settings.max_steps,
             "queue": stats,
-            # A worker whose samples this trainer would refuse says why (shared.agreement).
-            "workers": [w.model_dump() | {"disagreement": sampling_mismatch(settings, w.sampling),
+            # A worker whose samples this trainer would refuse says why (shared.agreement, admission).
+            "workers": [w.model_dump() | {"disagreement": sampling_mismatch(settings, w.sampling)
+                                          or worker_refusal(w, settings.worker_token),
                                           "leases_held": held.get(w.worker_id, 0)} for w in workers],
             "redis_error": redis_error,
-            "dependencies": {"redis": self.health.redis.state(), "registry": self.health.registry.state()},
+            "redis_age_s": redis_age,  # how old queue/workers are: 0 unless Redis failed to answer now
+            "dependencies": {"redis": self.health.redis.state(), "registry": self.health.registry.state(),
+                             "disk": self.health.disk.state()},
             "faults": {
                 "requeued_groups": trainer.requeued if trainer else 0,
                 "duplicate_trajectories": trainer.duplicates_dropped if trainer else 0,
                 "redis_data_losses": trainer.redis_data_losses if trainer else 0,
             },
             "last": trainer.history[-1] if trainer and trainer.history else None,
-            # Trajectories the trainer would not train on (sampling contract), by reason.
+            # Trajectories the trainer would not train on (sampling contract, admission), by reason.
             "refused_trajectories": dict(trainer.refused) if trainer else {},
             "heldout_baseline": trainer.eval_baseline if trainer else None,
+            # The checkpoint this process resumed from: its version and the state's checksum as
+            # saved and as loaded (equal: Adam's moments and the step survived the restart).
+            "resumed": trainer.resumed if trainer else None,
             # The KV budget published with the last version and the controller behind it.
             "kv_control": ({"mode": settings.kv_control.mode, "metric": settings.kv_control.metric,
                             "target": settings.kv_control.target} | trainer.kv_control.state()
@@ -296,6 +349,8 @@ class TrainerService:
             reasons.append(f"redis: {redis_error}")
         if registry_error:
             reasons.append(f"registry: {registry_error}")
+        if self.health.disk.down:
+            reasons.append(f"data dir full, waiting for space: {self.health.disk.last_error}")
         return {
             "ready": not reasons,
             "state": trainer.state if trainer else "starting",

@@ -146,6 +146,14 @@ class Coordinator:
             raise QueueFull(int(result), len(groups), self.settings.max_queue)
         return [decode(i) for i in result]
 
+    async def check_room(self, count: int) -> None:
+        """Raise QueueFull (and count the refusal) unless `count` more groups fit the queue now: a
+        submitter refuses before it records anything. enqueue checks again, atomically."""
+        depth = int(await self.redis.xlen(self.keys.prompts))
+        if depth + count > self.settings.max_queue:
+            await self.redis.hincrby(self.keys.stats, "refused", count)
+            raise QueueFull(depth, count, self.settings.max_queue)
+
     async def claim(self, worker_id: str, max_groups: int, block_ms: int = 0) -> list[Lease]:
         """Lease up to max_groups groups: expired leases first, then new groups.
 

@@ -28,7 +28,7 @@ from shared.coord.keys import Keys
 from shared.registry.download import Downloader
 from shared.registry.errors import RegistryHTTPError
 from shared.registry.publish import Publisher
-from shared.registry.wire import Manifest, ObjectRef, Plan
+from shared.registry.wire import Manifest, ObjectRef, Plan, RepairStatus, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,20 @@ class RegistryClient(Publisher):
         if to_version is not None:
             params["to"] = to_version
         return Plan.model_validate(await self._get_json("plan", params))
+
+    async def repair_status(self) -> RepairStatus:
+        """The run's quarantined objects and whether a snapshot of the head is wanted."""
+        return RepairStatus.model_validate(await self._get_json("quarantine"))
+
+    async def report_corrupt(self, key: str) -> Verdict:
+        """Tell the registry that `key` failed its sha256 here; it re-checks its copy."""
+
+        async def action() -> Verdict:
+            response = await self._http.post(self._path(f"quarantine/{key}"), headers=self._auth())
+            self._raise_for(response)
+            return Verdict.model_validate(response.json())
+
+        return await self._retrying(action, f"POST quarantine/{key}")
 
     async def download(self, refs: Sequence[ObjectRef]) -> list[memoryview]:
         """The objects' bytes, every piece verified (shared.registry.download)."""

@@ -223,7 +223,8 @@ class Downloader:
             log.warning("piece %d of %s failed its sha256 (try %d)", i, download.ref.key, verification + 1)
         if not refetch:
             return False
-        raise CorruptObjectError(f"{download.ref.key}: piece {i} (bytes {start}-{end}) fails its sha256")
+        raise CorruptObjectError(f"{download.ref.key}: piece {i} (bytes {start}-{end}) fails its sha256",
+                                 download.ref.key)
 
     async def download(self, refs: Sequence[ObjectRef]) -> list[memoryview]:
         """Fetch objects with `streams` parallel ranged requests; every piece verified.

@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from shared.registry.transport import RegistryTransport
-from shared.registry.wire import METRICS_HEADER, ROLLOUT_HEADER, Manifest, RolloutDirective
+from shared.registry.wire import GROUPS_HEADER, METRICS_HEADER, ROLLOUT_HEADER, Manifest, RolloutDirective
 
 
 class Publisher(RegistryTransport):
@@ -14,10 +14,12 @@ class Publisher(RegistryTransport):
 
     async def publish_patch(
         self, version: int, data: bytes, metrics: dict[str, Any] | None = None,
-        rollout: RolloutDirective | None = None,
+        rollout: RolloutDirective | None = None, groups: list[str] | None = None,
     ) -> Manifest:
         headers = {METRICS_HEADER: json.dumps(metrics)} if metrics else {}
         headers |= _rollout(rollout)
+        if groups:
+            headers[GROUPS_HEADER] = json.dumps(groups, separators=(",", ":"))
         return Manifest.model_validate(await self._put(f"patches/{version}", data, headers))
 
     async def publish_snapshot(

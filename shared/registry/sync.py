@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.patch import PatchError, apply_patch, load_snapshot
+from shared.patch import PatchError, apply_patch, commit_patch, load_snapshot, stage_patch
 from shared.registry.client import RegistryClient
 from shared.registry.errors import CorruptObjectError, RegistryHTTPError, SyncError
 from shared.registry.wire import Plan, PlanKind
@@ -47,7 +47,7 @@ class SyncResult:
 class WeightTarget:
     """Where synced weights land: `state()` is written in place while `writing()` is held;
     `updated` hears which tensors changed, `reached` each verified version, `phase` what the
-    sync does ("downloading", "applying")."""
+    sync does ("downloading", "decoding", "applying")."""
 
     def __init__(self, state: MutableMapping[str, torch.Tensor] | None = None) -> None:
         self._state: MutableMapping[str, torch.Tensor] = {} if state is None else state
@@ -85,22 +85,36 @@ async def sync_weights(
         into.phase("downloading")
         try:
             blobs = await client.download([step.object for step in plan.steps])
-            version = await _apply_patches(into, blobs, version)
+            version = await apply_patches(into, blobs, version)
         except (CorruptObjectError, PatchError, RegistryHTTPError) as exc:
             if transient(exc):  # the registry is down: the caller waits that out
                 raise
             # incl. an object gone from storage (404)
             log.warning("patch path %s→%s failed (%s); falling back to a snapshot",
                         current_version, plan.to_version, exc)
+            await _report(client, exc)
             fell_back = True
             plan = await client.plan(None, plan.to_version)
-    if plan.kind == "snapshot":
+    for attempt in range(2):
+        if plan.kind != "snapshot":
+            break
         into.phase("downloading")
         try:
             await _install_snapshot(into, client, plan)
+            break
         except (CorruptObjectError, PatchError, ValueError, RegistryHTTPError) as exc:
             if transient(exc):
                 raise
+            # A bad object the registry now quarantines: its next plan routes around it (or says
+            # that nothing reaches the version until the trainer uploads a snapshot).
+            if attempt == 0 and await _report(client, exc):
+                try:
+                    plan = await client.plan(None, plan.to_version)
+                    continue
+                except RegistryHTTPError as again:
+                    if transient(again):
+                        raise
+                    exc = again
             raise SyncError(f"snapshot path to {plan.to_version} failed: {exc}", version) from exc
     return SyncResult(
         version=plan.to_version,
@@ -113,20 +127,38 @@ async def sync_weights(
     )
 
 
-async def _apply_patches(into: WeightTarget, blobs: list[memoryview], version: int | None) -> int | None:
-    async with into.writing():  # a batch boundary: nothing reads the weights while they change
-        into.phase("applying")
-        state = into.state()
-        changed: set[str] = set()
-        try:
-            for blob in blobs:
-                header = await asyncio.to_thread(apply_patch, state, blob, verify=True)
-                changed.update(t.name for t in header.tensors)
-                version = header.target_version
-                into.reached(header.target_version, header.target_fingerprint)
-        finally:
-            if changed:
-                into.updated(changed)
+async def _report(client: RegistryClient, exc: Exception) -> bool:
+    """Tell the registry about an object that failed its sha256 here (it re-checks its copy);
+    True when it quarantined it. Never raises: a report is a courtesy, the sync goes on."""
+    if not isinstance(exc, CorruptObjectError) or exc.key is None:
+        return False
+    try:
+        verdict = await client.report_corrupt(exc.key)
+    except Exception as report_error:  # noqa: BLE001 - an old registry, an outage: sync as before
+        log.warning("reporting corrupt %s to the registry failed: %s", exc.key, report_error)
+        return False
+    log.warning("reported corrupt %s: the registry %s", exc.key,
+                "quarantined it" if verdict.quarantined else "found its copy good")
+    return verdict.quarantined
+
+
+async def apply_patches(into: WeightTarget, blobs: list[memoryview], version: int | None) -> int | None:
+    """Each patch is staged (verified and decoded against the live weights, which it only reads)
+    while generation goes on, then written under `writing()`: the engine pauses only for the
+    in-place write and its read-back check (shared.patch.apply). Only the sync writes weights, so
+    they cannot change between a patch's staging and its write."""
+    sums: dict[str, int] | None = None  # the weights' fingerprint sums after the last write
+    for blob in blobs:
+        into.phase("decoding")
+        staged = await asyncio.to_thread(stage_patch, into.state(), blob, verify=True, sums=sums)
+        async with into.writing():  # a batch boundary: nothing reads the weights while they change
+            into.phase("applying")
+            try:
+                sums = await asyncio.to_thread(commit_patch, into.state(), staged)
+            finally:
+                into.updated({d.name for d in staged.decoded})  # also after a restore: it rewrote them
+            version = staged.header.target_version
+            into.reached(staged.header.target_version, staged.header.target_fingerprint)
     return version
 
 

@@ -18,6 +18,10 @@ MODEL_FILES = (
 METRICS_HEADER = "X-Sparsecast-Metrics"
 # Request header of a patch or snapshot upload: the RolloutDirective of the version, as JSON.
 ROLLOUT_HEADER = "X-Sparsecast-Rollout"
+# Request header of a patch upload: the prompt group ids trained into the version, as a JSON list.
+# The manifest keeps them: the registry, not the trainer's disk, records which version trained
+# which group, so a crash between the commit and the trainer's ledger cannot train a group twice.
+GROUPS_HEADER = "X-Sparsecast-Groups"
 
 
 class ObjectRef(BaseModel):
@@ -50,6 +54,7 @@ class Manifest(BaseModel):
     created_at: float
     metrics: dict[str, Any] = {}
     rollout: RolloutDirective = Field(default_factory=RolloutDirective)  # absent in older manifests
+    groups: list[str] = []  # prompt groups trained into this version (GROUPS_HEADER); [] for snapshots
 
     @property
     def payload_ratio(self) -> float | None:
@@ -78,3 +83,33 @@ class Plan(BaseModel):
     steps: list[PlanStep]
     lease_s: float  # the registry keeps the plan's objects at least this long
     peers: dict[str, list[str]] = {}  # object key → peers serving it (shared.relay), best first
+
+
+class QuarantinedObject(BaseModel):
+    """A stored object found not to match its manifest's piece hashes (or gone): plans route
+    around it and nothing is built from it until it is written again."""
+
+    key: str
+    reason: str
+    found_by: Literal["reader", "scrub", "registry"]  # a worker's report, the scrub, a merge/snapshot build
+    at: float  # time.time() it was found
+
+
+class RepairStatus(BaseModel):
+    """GET /v1/runs/{run}/quarantine: the bad objects, and whether the registry needs a snapshot of
+    the head from the trainer (no good snapshot and chain reach the head: new workers could not
+    start)."""
+
+    run: str
+    head: int | None
+    snapshot_wanted: int | None  # the version a snapshot is wanted of (the head), None: none wanted
+    quarantined: list[QuarantinedObject]
+
+
+class Verdict(BaseModel):
+    """The answer to a reader's report of a corrupt object: the registry re-checks what it stores."""
+
+    key: str
+    corrupt: bool
+    reason: str | None = None
+    quarantined: bool

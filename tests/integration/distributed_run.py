@@ -23,7 +23,8 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoTokenizer
 
-from services.trainer.learner import Learner
+from services.trainer.learner import Learner, LearnerConfig
+from services.trainer.optim import OptimSettings
 from services.trainer.settings import TrainerSettings
 from shared.patch import apply_patch, extract_patch, fingerprint, read_header
 from shared.tasks import get_task
@@ -32,20 +33,20 @@ from tests.unit.services.trainer.test_trainer_step import _trajectories
 WORLD = 2
 
 
-def settings(data_dir: Path) -> TrainerSettings:
+def learner_config(data_dir: Path) -> LearnerConfig:
     # fp32 compute (no autocast, no bf16 params) so the two paths can agree to float rounding;
     # micro-batches of 2 over 6 sequences per minibatch: ranks take 3 each, in 2 micro-batches.
-    return TrainerSettings(
+    return LearnerConfig.of(TrainerSettings(
         model="unused",
         data_dir=str(data_dir),
         device="cpu",
-        lr=1e-3,
+        optim=OptimSettings(lr=1e-3),
         micro_batch=2,
         ppo_updates=2,
         bf16_autocast=False,
         loss={"kl_coef": 0.1},
         activation_checkpointing=True,
-    )
+    ))
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -75,12 +76,12 @@ def _worker(rank: int, out: str, model_dir: str, port: int) -> None:
 
     init_process_groups("cpu")
     out_dir = Path(out)
-    learner = DistributedLearner(settings(out_dir), Path(model_dir), pad_id=0)
+    learner = DistributedLearner(learner_config(out_dir), Path(model_dir), pad_id=0)
     if rank != 0:
         follow_until_stopped(learner)
         return
     result: dict[str, Any] = {}
-    single = Learner(settings(out_dir), Path(model_dir), pad_id=0)
+    single = Learner(learner_config(out_dir), Path(model_dir), pad_id=0)
     batch1, batch2 = _trajectories(vocab=90, seed=1), _trajectories(vocab=90, groups=3, samples=3, seed=2)
     v0 = learner.full_published()
     result["fingerprint_v0"] = [learner.published_fingerprint, single.published_fingerprint, fingerprint(v0)]
@@ -120,7 +121,7 @@ def _worker(rank: int, out: str, model_dir: str, port: int) -> None:
 
 
 def resume_at_world_one(out_dir: Path, model_dir: Path) -> dict[str, Any]:
-    learner = Learner(settings(out_dir), model_dir, pad_id=0)
+    learner = Learner(learner_config(out_dir), model_dir, pad_id=0)
     learner.load(out_dir / "ckpt")
     at_save = torch.load(out_dir / "master_at_save.pt")
     result = {

@@ -21,9 +21,12 @@ from services.rollout.app import create_app as create_rollout
 from services.rollout.settings import RolloutSettings
 from services.trainer.app import create_app as create_trainer
 from services.trainer.ledger import LEDGER_FILE
+from services.trainer.optim import OptimSettings
 from services.trainer.settings import TrainerSettings
 from shared.coord import CoordSettings
-from tests.conftest import free_port, serve_app
+from shared.kv import KVSettings
+from shared.ports import free_port
+from tests.conftest import serve_app
 
 TOKEN = "fault-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -68,11 +71,13 @@ class Stack:
         self._exit = contextlib.ExitStack()
         self._registry: contextlib.ExitStack | None = None
         self.workers: list[str] = []
-        self.trainer_settings = TrainerSettings(
-            model=model_dir, device="cpu", data_dir=str(tmp_path / "trainer"), run=run, api_token=TOKEN,
-            registry_url=self.registry_url, redis_url=redis_url, redis_prefix=PREFIX, coord=COORD,
-            groups_per_step=groups_per_step, max_steps=steps, micro_batch=16, lr=1e-4, checkpoint_every=0,
-            reconcile_every_s=1.0, seed=0, **(trainer or {}))
+        self.trainer_settings = TrainerSettings(**{
+            "model": model_dir, "device": "cpu", "data_dir": str(tmp_path / "trainer"), "run": run,
+            "api_token": TOKEN, "registry_url": self.registry_url, "redis_url": redis_url,
+            "redis_prefix": PREFIX, "coord": COORD, "groups_per_step": groups_per_step, "max_steps": steps,
+            "micro_batch": 16, "optim": OptimSettings(lr=1e-4), "checkpoint_every": 0,
+            "reconcile_every_s": 1.0, "seed": 0,
+        } | (trainer or {}))
         self.worker_overrides = worker or {}
         self.trainer_url = ""
 
@@ -104,7 +109,7 @@ class Stack:
     def add_worker(self, name: str) -> str:
         settings = RolloutSettings(model="", registry_url=self.registry_url, run=self.run, device="cpu",
                                    redis_url=self.redis_url, redis_prefix=PREFIX, worker_id=name,
-                                   kv_policy="dense", max_new_tokens=8, temperature=1.0,
+                                   kv=KVSettings(policy="dense"), max_new_tokens=8, temperature=1.0,
                                    data_dir=str(self.tmp / name), sync_poll_s=0.2, coord=COORD,
                                    **self.worker_overrides)
         url = self._exit.enter_context(serve_app(create_rollout(settings)))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import httpx
 import torch
 
+from services.registry.core import Registry
 from shared.patch import extract_patch, save_snapshot
 from tests.paths import REPO_ROOT
 
@@ -53,6 +54,16 @@ class Chain:
 
     def snapshot(self, v: int) -> bytes:
         return save_snapshot(self.states[v], run=self.run, version=v)
+
+
+async def publish(registry: Registry, chain: Chain, upto: int, snapshots: tuple[int, ...] = (0,)) -> None:
+    """The chain's v0 snapshot and patches 1..upto into an in-process registry, with snapshots at
+    `snapshots`."""
+    await registry.publish_snapshot(chain.run, 0, chain.snapshot(0))
+    for v in range(1, upto + 1):
+        await registry.publish_patch(chain.run, v, chain.patches[v], {"step": v})
+        if v in snapshots:
+            await registry.publish_snapshot(chain.run, v, chain.snapshot(v))
 
 
 def make_chain(run: str, versions: int, seed: int = 0, chunk_bytes: int = 4 << 10) -> Chain:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from shared.ports import free_port
 from shared.registry.client import RegistryClient
 from shared.registry.sync import sync_weights
-from tests.conftest import free_port
 from tests.integration.registry_helpers import TOKEN, make_chain, same, start_registry, stop
 
 RUN = "restart"

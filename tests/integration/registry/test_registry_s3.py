@@ -11,9 +11,10 @@ from moto.server import ThreadedMotoServer
 
 from services.registry.app import create_app
 from services.registry.settings import RegistrySettings
+from shared.ports import free_port
 from shared.registry.client import RegistryClient
 from shared.registry.sync import sync_weights
-from tests.conftest import free_port, serve_app
+from tests.conftest import serve_app
 from tests.integration.registry_helpers import TOKEN, clone, make_chain, same
 
 RUN = "s3run"

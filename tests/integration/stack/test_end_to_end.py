@@ -16,8 +16,10 @@ from services.rollout.app import create_app as create_rollout
 from services.rollout.settings import RolloutSettings
 from services.trainer.app import create_app as create_trainer
 from services.trainer.loss import LossConfig
+from services.trainer.optim import OptimSettings
 from services.trainer.settings import TrainerSettings
 from shared.coord import CoordSettings
+from shared.kv import KVSettings
 from shared.tasks import get_task
 from tests.conftest import serve_app
 from tests.paths import REPO_ROOT
@@ -78,8 +80,7 @@ def run_training(
             redis_url=redis_url,
             redis_prefix=redis_prefix,
             coord=coord,
-            lr=lr,
-            weight_decay=0.0,
+            optim=OptimSettings(lr=lr, weight_decay=0.0),
             groups_per_step=groups_per_step,
             micro_batch=32,
             max_steps=steps,
@@ -115,9 +116,7 @@ def run_training(
                 redis_url=redis_url,
                 redis_prefix=redis_prefix,
                 worker_id="w-e2e",
-                kv_policy="rkv",
-                kv_budget=kv_budget,
-                kv_buffer=kv_buffer,
+                kv=KVSettings(policy="rkv", budget=kv_budget, buffer=kv_buffer),
                 temperature=1.0,
                 data_dir=str(tmp_path / "w"),
                 sync_poll_s=0.2,
@@ -139,8 +138,9 @@ def run_training(
     return {"history": history, "weights": weights, "manifests": manifests}
 
 
-def test_training_end_to_end(tmp_path: Path, warmstart_dir: Path, redis_url: str, redis_prefix: str) -> None:
-    run = run_training(warmstart_dir, tmp_path, redis_url, redis_prefix)
+def test_training_end_to_end(tmp_path: Path, partial_model_dir: Path, redis_url: str,
+                             redis_prefix: str) -> None:
+    run = run_training(partial_model_dir, tmp_path, redis_url, redis_prefix)
     history, weights, manifests = run["history"], run["weights"], run["manifests"]
 
     # Every version was published with its patch, and the worker held each one, bit-exact.

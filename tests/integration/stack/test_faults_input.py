@@ -23,6 +23,7 @@ from services.rollout.settings import RolloutSettings
 from services.trainer.app import create_app as create_trainer
 from services.trainer.settings import TrainerSettings
 from shared.coord import CoordSettings
+from shared.kv import KVSettings
 from shared.patch import extract_patch, save_snapshot
 from shared.registry.client import RegistryClient
 from tests.conftest import REDIS_URL, serve_app
@@ -39,7 +40,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) -> Iter
     tmp = tmp_path_factory.mktemp("faults-input")
     prefix = f"test:faults-input-{time.time_ns()}"
     reg = RegistrySettings(store_url=f"file://{tmp / 'store'}", api_token=TOKEN)
-    rollout = RolloutSettings(model=tiny_model_dir, device="cpu", kv_policy="dense", max_batch=4,
+    rollout = RolloutSettings(model=tiny_model_dir, device="cpu", kv=KVSettings(policy="dense"), max_batch=4,
                               max_new_tokens_limit=16, redis_url="", registry_url="")
     with serve_app(create_registry(reg)) as registry_url:
         settings = TrainerSettings(model=tiny_model_dir, device="cpu", data_dir=str(tmp / "trainer"), run="t",

@@ -29,6 +29,7 @@ from services.rollout.settings import RolloutSettings
 from services.trainer.app import create_app as create_trainer
 from services.trainer.settings import TrainerSettings
 from shared.coord import CoordSettings
+from shared.kv import KVSettings
 from tests.conftest import REDIS_URL, serve_app
 from tests.integration.trainer.test_trainer_service import wait_ready
 
@@ -44,7 +45,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) -> It
     registry = RegistrySettings(
         store_url=f"file://{tmp / 'store'}", api_token=TOKEN, max_upload_bytes=1 << 20
     )
-    rollout = RolloutSettings(model=tiny_model_dir, device="cpu", kv_policy="dense", max_batch=4,
+    rollout = RolloutSettings(model=tiny_model_dir, device="cpu", kv=KVSettings(policy="dense"), max_batch=4,
                               max_new_tokens_limit=8, api_token=TOKEN, redis_url="", registry_url="")
     with serve_app(create_registry(registry)) as registry_url:
         trainer = TrainerSettings(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import threading
 import time
 from pathlib import Path
@@ -22,10 +23,12 @@ from services.rollout.settings import RolloutSettings
 from services.trainer.app import create_app as create_trainer
 from services.trainer.settings import TrainerSettings
 from shared.coord import Coordinator, CoordSettings
+from shared.kv import KVSettings
 from shared.patch import save_snapshot
+from shared.ports import free_port
 from shared.registry.wire import MODEL_FILES
 from shared.schemas import PromptGroup
-from tests.conftest import build_tiny_model_dir, free_port, serve_app
+from tests.conftest import build_tiny_model_dir, serve_app
 from tests.integration.fault_stack import AUTH, PREFIX, TOKEN, Stack, get, metric, wait_for
 from tests.private_redis import PrivateRedis
 
@@ -51,8 +54,11 @@ def test_loops_ride_out_redis_client_kill_and_restart(tmp_path: Path, tiny_model
         stack.wait_step(3)
         redis_server.stop()
         wait_for(lambda: get(f"{stack.trainer_url}/readyz").status_code == 503, 10, "trainer not ready")
+        t0 = time.monotonic()
         status = stack.status()
-        assert status["queue"] is None and "ConnectionError" in status["redis_error"]
+        assert time.monotonic() - t0 < 1.0  # answered from the last reading, not held up by Redis
+        assert "ConnectionError" in status["redis_error"] and status["redis_age_s"] > 0
+        assert status["queue"] is not None  # that reading, with its age
         assert get(f"{stack.trainer_url}/healthz").status_code == 200  # waiting is alive
         assert "redis" in " ".join(get(f"{worker}/readyz").json()["reasons"])
         assert get(f"{worker}/healthz").status_code == 200
@@ -202,7 +208,7 @@ def test_liveness_fails_when_a_loop_dies_or_sticks(tmp_path: Path, tiny_model_di
         redis_prefix=redis_prefix,
         registry_url="",
         worker_id="stuck",
-        kv_policy="dense",
+        kv=KVSettings(policy="dense"),
         max_new_tokens=4,
         temperature=0,
         stall_s=2.5,
@@ -274,7 +280,7 @@ def test_a_group_whose_reward_raises_fails_alone(tmp_path: Path, tiny_model_dir:
         redis_prefix=redis_prefix,
         registry_url="",
         worker_id="w-poison",
-        kv_policy="dense",
+        kv=KVSettings(policy="dense"),
         max_new_tokens=4,
         data_dir=str(tmp_path),
         coord=coord,
@@ -313,3 +319,33 @@ def test_a_group_whose_reward_raises_fails_alone(tmp_path: Path, tiny_model_dir:
     assert reasons["no-answer"].startswith("failed: 2 attempts; last error: ValueError")
     assert failures["bad-answer"].startswith("2 w-poison: ValueError")
     assert metric(worker_metrics, "rollout_group_failures") == 4
+
+
+def test_refusals_are_free_and_status_outlives_a_frozen_redis(tmp_path: Path, tiny_model_dir: str) -> None:
+    """Issue 27: a refused submission writes nothing to the trainer's disk (a client retrying
+    through 429s once grew the ledger to 121 MB), and /v1/status answers within a second while
+    Redis is frozen (SIGSTOP), from its last reading, with that reading's age."""
+    coord = CoordSettings(lease_ttl_s=3.0, max_attempts=8, base_claim=2, max_claim=2, max_queue=4)
+    with PrivateRedis(tmp_path / "redis") as redis_server, Stack(
+            tmp_path, tiny_model_dir, redis_server.url, steps=2, trainer={"coord": coord}) as stack:
+        stack.wait_ready()
+        stack.submit(4)  # the queue is now full (no worker claims)
+        ledger = tmp_path / "trainer" / "groups.jsonl"
+        size = ledger.stat().st_size
+        big = {"task": "addition", "generate": {"count": 10_000, "seed": 1}}
+        for _ in range(20):
+            r = httpx.post(f"{stack.trainer_url}/v1/prompts", headers=AUTH, json=big, timeout=60)
+            assert r.status_code == 429, r.text
+        assert ledger.stat().st_size == size  # not a byte for a refusal
+        stack.status()  # a reading taken while Redis answers
+        assert redis_server.proc is not None
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            for _ in range(3):
+                t0 = time.monotonic()
+                status = stack.status()
+                assert time.monotonic() - t0 < 1.0
+                assert status["redis_error"] and status["queue"]["prompts_queued"] == 4
+                assert status["redis_age_s"] > 0
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)

@@ -16,6 +16,7 @@ from services.registry.settings import RegistrySettings
 from services.trainer.core import Trainer
 from services.trainer.kv_budget import KVControlSettings
 from services.trainer.ledger import GroupLedger
+from services.trainer.optim import OptimSettings
 from services.trainer.settings import TrainerSettings
 from shared.coord import Coordinator
 from shared.registry.client import RegistryClient
@@ -50,8 +51,9 @@ async def test_budget_published_per_version_logged_and_resumed(
     registry = RegistrySettings(store_url=f"file://{tmp_path}/store", api_token=TOKEN, snapshot_every=0)
     redis = aioredis.Redis.from_url(redis_url)
     with serve_app(create_registry(registry)) as url:
-        settings = TrainerSettings(model=tiny_model_dir, device="cpu", lr=1e-3, data_dir=str(tmp_path / "t"),
-                                   run=RUN, registry_url=url, redis_url=redis_url, redis_prefix=redis_prefix,
+        settings = TrainerSettings(model=tiny_model_dir, device="cpu", optim=OptimSettings(lr=1e-3),
+                                   data_dir=str(tmp_path / "t"), run=RUN, registry_url=url,
+                                   redis_url=redis_url, redis_prefix=redis_prefix,
                                    kv_control=control, checkpoint_every=0)
 
         async def trainer() -> Trainer:

@@ -169,7 +169,7 @@ def test_restart_resumes_at_the_same_version(tmp_path: Path, tiny_model_dir: str
     with stack(tmp_path, tiny_model_dir, redis_url, redis_prefix) as (url, registry_url):
         assert httpx.post(f"{url}/v1/checkpoint", headers=AUTH).status_code == 200
         head = httpx.get(f"{registry_url}/v1/runs/t/latest").json()
-    assert (tmp_path / "trainer" / "checkpoint" / "trainer.pt").is_file()
+    assert (tmp_path / "trainer" / "checkpoints" / f"v{head['version']:08d}" / "trainer.pt").is_file()
     with stack(tmp_path, tiny_model_dir, redis_url, redis_prefix) as (url, registry_url):
         status = httpx.get(f"{url}/v1/status").json()
         assert status["version"] == head["version"] and status["error"] is None

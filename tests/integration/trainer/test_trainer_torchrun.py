@@ -15,15 +15,20 @@ import time
 from pathlib import Path
 
 import httpx
+from transformers import AutoTokenizer
 
 from services.registry.app import create_app as create_registry
 from services.registry.settings import RegistrySettings
+from services.rollout.engine.config import GenerationOutput
+from services.rollout.worker import score_samples
 from shared.coord import Coordinator, CoordSettings, connect
 from shared.patch import fingerprint
+from shared.ports import free_port
 from shared.registry.client import RegistryClient
 from shared.registry.sync import sync_weights
-from shared.schemas import KVStats, Sample, SamplingInfo, Trajectory, WorkerInfo
-from tests.conftest import free_port, serve_app
+from shared.schemas import KVStats, SamplingInfo, Trajectory, WorkerInfo
+from shared.tasks import get_task
+from tests.conftest import serve_app
 from tests.paths import REPO_ROOT
 
 TOKEN = "torchrun-test-token"
@@ -32,8 +37,10 @@ ROOT = REPO_ROOT
 STEPS = 3
 
 
-async def answer_prompts(redis_url: str, prefix: str, run: str, vocab: int, until: float) -> int:
-    """A worker that samples random tokens: claims groups and completes them until `until`."""
+async def answer_prompts(redis_url: str, prefix: str, run: str, model_dir: str, until: float) -> int:
+    """A worker that samples random tokens: claims groups and completes them until `until`, its
+    samples scored as a real worker scores them (the trainer admits nothing else)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     redis = connect(redis_url)
     coord = Coordinator(redis, prefix, CoordSettings(), run=run)
     rng = random.Random(0)
@@ -43,21 +50,17 @@ async def answer_prompts(redis_url: str, prefix: str, run: str, vocab: int, unti
             version = await coord.trainer_version()
             await coord.register_worker(WorkerInfo(worker_id="w", weight_version=max(version, 0)))
             for lease in await coord.claim("w", 2, block_ms=200):
-                samples = []
+                task = get_task(lease.group.task)
+                prompt_ids = list(tokenizer(lease.group.prompt).input_ids)
+                outputs = []
                 for _ in range(lease.group.samples):
-                    completion = [rng.randrange(4, vocab) for _ in range(rng.randrange(2, 8))]
-                    samples.append(
-                        Sample(
-                            completion="x",
-                            prompt_ids=[1, 5, 6, 7],
-                            completion_ids=completion,
-                            logprobs=[-rng.uniform(1, 5) for _ in completion],
-                            reward=rng.random(),
-                            correct=False,
-                            finish_reason="stop",
-                            kv=KVStats(peak_tokens=6, peak_bytes=100, evicted=0),
-                        )
-                    )
+                    completion = [rng.randrange(4, len(tokenizer)) for _ in range(rng.randrange(2, 8))]
+                    outputs.append(GenerationOutput(
+                        token_ids=completion, logprobs=[-rng.uniform(1, 5) for _ in completion],
+                        finish_reason="stop", kv=KVStats(peak_tokens=6, peak_bytes=100, evicted=0)))
+                samples = score_samples(
+                    task, lease.group.answer or "", prompt_ids, outputs,
+                    lambda ids: str(tokenizer.decode(list(ids), skip_special_tokens=True)))
                 trajectory = Trajectory(
                     group_id=lease.group_id,
                     attempt=lease.attempt,
@@ -119,7 +122,7 @@ def test_trainer_service_under_torchrun(
             "SPARSECAST_REDIS_URL": redis_url,
             "SPARSECAST_REDIS_PREFIX": redis_prefix,
             "SPARSECAST_GROUPS_PER_STEP": "2",
-            "SPARSECAST_LR": "1e-3",
+            "SPARSECAST_OPTIM__LR": "1e-3",
             "SPARSECAST_MICRO_BATCH": "2",
             "SPARSECAST_MAX_STEPS": str(STEPS),
             "SPARSECAST_CHECKPOINT_EVERY": "2",
@@ -154,9 +157,8 @@ def test_trainer_service_under_torchrun(
                 headers=AUTH,
             )
             assert r.status_code == 200, r.text
-            vocab = int(httpx.get(f"{registry_url}/v1/runs/tr/model/config.json").json()["vocab_size"])
             answered = asyncio.run(
-                answer_prompts(redis_url, redis_prefix, "tr", vocab, time.monotonic() + 150)
+                answer_prompts(redis_url, redis_prefix, "tr", tiny_model_dir, time.monotonic() + 150)
             )
             assert answered == 2 * STEPS
             deadline = time.monotonic() + 60
@@ -173,5 +175,6 @@ def test_trainer_service_under_torchrun(
             log.close()
     text = (tmp_path / "torchrun.log").read_text()
     assert "rank 1 of 2" in text and "rank 0 of 2" in text
-    shards = sorted(p.name for p in (tmp_path / "trainer" / "checkpoint").glob("*.distcp"))
+    saved = tmp_path / "trainer" / "checkpoints" / f"v{STEPS - STEPS % 2:08d}"  # CHECKPOINT_EVERY 2
+    shards = sorted(p.name for p in saved.glob("*.distcp"))
     assert len(shards) == 2, shards  # one file of weights and optimizer state per rank

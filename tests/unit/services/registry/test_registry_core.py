@@ -12,7 +12,7 @@ from services.registry.settings import RegistrySettings
 from services.registry.uploads import MAX_MODEL_FILE_BYTES, UploadCheck
 from shared.patch import apply_patch, extract_patch, fingerprint, load_snapshot
 from shared.storage import ObjectStorage
-from tests.integration.registry_helpers import Chain, clone, make_chain, same, step
+from tests.integration.registry_helpers import Chain, clone, make_chain, publish, same, step
 
 RUN = "r1"
 
@@ -26,14 +26,6 @@ def new_registry(storage: ObjectStorage | None = None, **overrides) -> Registry:
     values = {"store_url": "memory://", "piece_bytes": 4096, "snapshot_every": 0, "plan_lease_s": 0}
     settings = RegistrySettings(**{**values, **overrides})
     return Registry(storage or ObjectStorage("memory://"), settings)
-
-
-async def publish(registry: Registry, chain: Chain, upto: int, snapshots: tuple[int, ...] = (0,)) -> None:
-    await registry.publish_snapshot(RUN, 0, chain.snapshot(0))
-    for v in range(1, upto + 1):
-        await registry.publish_patch(RUN, v, chain.patches[v], {"step": v})
-        if v in snapshots:
-            await registry.publish_snapshot(RUN, v, chain.snapshot(v))
 
 
 async def test_publish_rules(chain: Chain) -> None:

@@ -39,3 +39,27 @@ def test_a_data_dir_reused_for_another_run_starts_a_new_ledger(tmp_path: Path) -
     assert not new.existed and new.unsettled(set()) == [] and new.epoch != old.epoch
     kept = tmp_path / f"{LEDGER_FILE}.first"
     assert json.loads(kept.read_text().splitlines()[1])["submitted"][0]["id"] == "g0"
+
+
+def test_the_ledger_is_compacted_to_what_it_says(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Withdrawn groups and trained groups' prompts drop out once the file has doubled past the
+    threshold; what reloads is unchanged, and the file stays bounded by the live state."""
+    monkeypatch.setattr("services.trainer.ledger.COMPACT_FROM_BYTES", 4096)
+    ledger = GroupLedger.in_dir(tmp_path, "r")
+    path = tmp_path / LEDGER_FILE
+    peak = 0
+    for step in range(40):
+        batch = [group(1000 * step + i) for i in range(8)]
+        ledger._append([{"submitted": [g.model_dump() for g in batch]}])
+        ledger.open.update((g.id, g) for g in batch)
+        ledger._append([{"withdrawn": [batch[-1].id]}])  # as a queue refusal after its room check
+        ledger.open.pop(batch[-1].id)
+        ledger.settle_trained([g.id for g in batch[:6]], version=step + 1)
+        peak = max(peak, path.stat().st_size)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert sum("withdrawn" in row for row in rows) < 40  # the older ones compacted away
+    assert peak < 4 * 4096 + 8192  # never far past twice the compacted size
+    again = GroupLedger.in_dir(tmp_path, "r")
+    assert again.epoch == ledger.epoch and again.trained == ledger.trained
+    assert again.last_version == 40 and set(again.open) == set(ledger.open) == {
+        f"g{1000 * s + 6}" for s in range(40)}
