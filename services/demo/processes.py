@@ -6,7 +6,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,12 +23,6 @@ class DemoFailed(Exception):
 
 class Interrupted(Exception):
     """SIGINT or SIGTERM arrived."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _die_with_parent() -> None:

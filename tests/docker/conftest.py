@@ -210,8 +210,8 @@ class ComposeProject:
 def model_override(folder: Path) -> Path:
     """A small random Qwen3 model for the trainer, mounted read-only at /models/tiny.
 
-    The default model, tiny-demo, is warm-started by SFT inside the trainer container: about
-    80 s of CPU on an idle 2-core machine, but many minutes on a loaded CI runner (the warm start
+    The default model, tiny-demo, is warm-started by SFT inside the trainer container: 4-7
+    minutes on an idle 2-core machine, many more on a loaded CI runner (the warm start
     has tests of its own: tests/unit/services/trainer/test_warmstart.py, the demo tests).
     SPARSECAST_MODEL is the compose variable a user sets for their own model the same way."""
     from tests.conftest import build_tiny_model_dir

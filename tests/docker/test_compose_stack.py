@@ -1,16 +1,22 @@
-"""The user's compose.yaml, for real: images built by `docker compose build`, the stack up, training
-that publishes versions every worker loads, a trainer restart that resumes, rollout scaled to two
-workers, `compose down -v`. Stand-ins for unreachable third-party images: tests/docker/compose.ci.yaml."""
+"""The user's compose.yaml, for real, driven by the README's own compose commands and the REST
+examples of docs/api.md (parsed from them: tests/doc_snippets.py): images built by `docker compose
+build`, the README's `up`, training that publishes versions every worker loads, a trainer restart
+that resumes, the REST examples answering 2xx, the README's `--scale` and `down -v`. Stand-ins for
+unreachable third-party images: tests/docker/compose.ci.yaml."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.doc_snippets import compose_commands, rest_script, run_shell, write_uploads
 from tests.docker.conftest import ComposeProject
 
 pytestmark = pytest.mark.docker
@@ -61,11 +67,23 @@ def workers_at_head(project: ComposeProject, registry: str, count: int) -> bool:
     return len(versions) == count and all(v == head for v in versions) and head >= MIN_VERSIONS
 
 
+def readme_command(*words: str) -> list[str]:
+    """The README's `docker compose WORDS` command, or the one command that starts with WORDS."""
+    commands = compose_commands()
+    if list(words) in commands:
+        return list(words)
+    [command] = [c for c in commands if c[: len(words)] == list(words)]
+    return command
+
+
 def test_compose_up_trains_resumes_and_scales(compose_stack: ComposeProject) -> None:
     project = compose_stack
     started = time.monotonic()
-    # `up -d` returns once every container started, i.e. after the trainer's healthcheck passed.
-    project.run("up", "-d", timeout=1800)
+    # The README's `up -d` returns once every container started, i.e. after the trainer's
+    # healthcheck passed; its `ps` then shows the trainer healthy.
+    project.run(*readme_command("up", "-d"), timeout=1800)
+    ps = project.run(*readme_command("ps")).stdout
+    assert re.search(r"trainer.*\(healthy\)", ps), ps
     trainer = f"http://127.0.0.1:{project.port('trainer', 8000)}"
     registry = f"http://127.0.0.1:{project.port('registry', 8100)}"
 
@@ -111,14 +129,26 @@ def test_compose_up_trains_resumes_and_scales(compose_stack: ComposeProject) -> 
         every=5,
     )
 
-    # A second worker joins, catches up from the registry and serves the head too.
-    project.run("up", "-d", "--no-recreate", "--scale", "rollout=2", "rollout", timeout=300)
-    assert len(project.containers("rollout")) == 2
-    wait_for("both workers at the head", lambda: workers_at_head(project, registry, 2), 900, project)
-    workers = trainer_status(trainer)["workers"]
-    assert len(workers) >= 2, json.dumps(workers)
+    # docs/api.md's REST examples against the published ports, with the env file's token (its
+    # worker lines need a worker you run yourself: compose publishes none, as the docs say).
+    folder = Path(tempfile.mkdtemp(prefix="sparsecast-readme-"))
+    write_uploads(folder)
+    urls = {"http://127.0.0.1:8000": trainer, "http://127.0.0.1:8100": registry}
+    script = rest_script("TR")
+    done = run_shell(script, urls, {"SPARSECAST_API_TOKEN": demo_token()}, folder)
+    assert done.returncode == 0, f"{script}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
 
-    project.run("down", "-v", "--timeout", "20", timeout=300)
+    # The README's `--scale`: the new workers catch up from the registry and serve the head too.
+    scale = readme_command("up", "-d", "--scale")
+    workers_wanted = int(next(a for a in scale if a.startswith("rollout=")).split("=")[1])
+    project.run(*scale, timeout=600)
+    assert len(project.containers("rollout")) == workers_wanted
+    wait_for("every worker at the head", lambda: workers_at_head(project, registry, workers_wanted), 900,
+             project)
+    workers = trainer_status(trainer)["workers"]
+    assert len(workers) >= workers_wanted, json.dumps(workers)
+
+    project.run(*readme_command("down", "-v"), timeout=300)
     assert project.containers("trainer") == []
     left = subprocess.run(
         ["docker", "volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={project.name}"],

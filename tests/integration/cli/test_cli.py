@@ -23,9 +23,10 @@ from services.trainer.app import create_app as create_trainer
 from services.trainer.settings import TrainerSettings
 from shared.coord import Coordinator
 from shared.patch import extract_patch
+from shared.ports import free_port
 from shared.registry.client import RegistryClient
 from shared.schemas import WorkerInfo
-from tests.conftest import REDIS_URL, free_port, serve_app
+from tests.conftest import REDIS_URL, serve_app
 
 TOKEN = "cli-test-token"
 RUN = "cli-test"

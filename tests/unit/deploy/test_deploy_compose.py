@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import jsonschema
 import pytest
@@ -260,6 +261,87 @@ def test_docker_compose_resolves_secrets_from_env_files() -> None:
     for name in ("registry", "trainer", "minio"):
         assert {p["host_ip"] for p in services[name]["ports"]} == {"127.0.0.1"}, name
     assert services["registry"]["environment"]["SPARSECAST_STORE_URL"].startswith("s3://")
-    assert services["minio"]["environment"]["MINIO_ROOT_PASSWORD"] == (
-        services["registry"]["environment"]["SPARSECAST_STORE_OPTIONS__SECRET_ACCESS_KEY"]
-    )
+    env = {name: service.get("environment", {}) for name, service in services.items()}
+    # The registry's store user is the one minio-init creates, not MinIO's root.
+    for key in ("SPARSECAST_STORE_OPTIONS__ACCESS_KEY_ID", "SPARSECAST_STORE_OPTIONS__SECRET_ACCESS_KEY"):
+        assert env["registry"][key] == env["minio-init"][key]
+    assert env["registry"]["SPARSECAST_STORE_OPTIONS__ACCESS_KEY_ID"] != env["minio"]["MINIO_ROOT_USER"]
+    assert env["minio-init"]["MINIO_ROOT_PASSWORD"] == env["minio"]["MINIO_ROOT_PASSWORD"]
+    assert env["trainer"]["SPARSECAST_PUBLISH_TOKEN"] == env["registry"]["SPARSECAST_PUBLISH_TOKEN"]
+    assert env["trainer"]["SPARSECAST_WORKER_TOKEN"] == env["rollout"]["SPARSECAST_WORKER_TOKEN"]
+    tokens = [env["trainer"][f"SPARSECAST_{n}_TOKEN"] for n in ("API", "PUBLISH", "WORKER")]
+    assert len(set(tokens)) == 3, "one credential per privilege"
+    for name, user in (("trainer", "trainer"), ("rollout", "worker"), ("registry", "registry")):
+        url = urlsplit(env[name]["SPARSECAST_REDIS_URL"])
+        assert (url.username, url.password) == (user, env["redis"][f"REDIS_{user.upper()}_PASSWORD"]), name
+    assert "SPARSECAST_REDIS_URL" not in env["demo-submit"]
+
+
+# Secrets each container may hold (least privilege, docs/deploy.md): names from any env file.
+SECRETS = {"SPARSECAST_PUBLISH_TOKEN", "SPARSECAST_WORKER_TOKEN", "SPARSECAST_REDIS_URL",
+           "SPARSECAST_STORE_OPTIONS__ACCESS_KEY_ID", "SPARSECAST_STORE_OPTIONS__SECRET_ACCESS_KEY",
+           "MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD", "REDIS_TRAINER_PASSWORD", "REDIS_WORKER_PASSWORD",
+           "REDIS_REGISTRY_PASSWORD"}
+ALLOWED = {
+    "redis": {"REDIS_TRAINER_PASSWORD", "REDIS_WORKER_PASSWORD", "REDIS_REGISTRY_PASSWORD"},
+    "minio": {"MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"},
+    "minio-init": {"MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD", "SPARSECAST_STORE_OPTIONS__ACCESS_KEY_ID",
+                   "SPARSECAST_STORE_OPTIONS__SECRET_ACCESS_KEY"},
+    "registry": {"SPARSECAST_PUBLISH_TOKEN", "SPARSECAST_REDIS_URL",
+                 "SPARSECAST_STORE_OPTIONS__ACCESS_KEY_ID", "SPARSECAST_STORE_OPTIONS__SECRET_ACCESS_KEY"},
+    "trainer": {"SPARSECAST_PUBLISH_TOKEN", "SPARSECAST_WORKER_TOKEN", "SPARSECAST_REDIS_URL"},
+    "rollout": {"SPARSECAST_WORKER_TOKEN", "SPARSECAST_REDIS_URL"},
+    "demo-submit": set(),
+}
+ALLOWED |= {"trainer-gpu": ALLOWED["trainer"], "rollout-gpu": ALLOWED["rollout"]}
+
+
+def env_file_names(service: dict) -> set[str]:
+    """The names a service's env files (committed ones and the local templates) assign."""
+    names: set[str] = set()
+    for entry in service.get("env_file", []):
+        path = ROOT / (entry["path"] if isinstance(entry, dict) else entry)
+        for candidate in (path, path.with_name(path.name + ".example")):
+            if candidate.is_file():
+                names |= set(re.findall(r"^#?\s*([A-Z][A-Z0-9_]*)=", candidate.read_text(), re.M))
+    return names
+
+
+def test_each_container_holds_only_the_secrets_of_its_role() -> None:
+    services = load_compose()["services"]
+    assert set(ALLOWED) == set(services)
+    for name, service in services.items():
+        held = (env_file_names(service) | set(service.get("environment", {}))) & SECRETS
+        assert held == ALLOWED[name], f"{name} holds {sorted(held)}, its role {sorted(ALLOWED[name])}"
+
+
+def test_redis_requires_a_user_for_every_client() -> None:
+    redis = load_compose()["services"]["redis"]
+    script = redis["command"][-1]
+    assert "--user default off" in script  # no anonymous (or password-only default) access
+    users = dict(re.findall(r'--user (\w+) on ">\$\$(REDIS_\w+_PASSWORD)"', script))
+    assert users == {"trainer": "REDIS_TRAINER_PASSWORD", "worker": "REDIS_WORKER_PASSWORD",
+                     "registry": "REDIS_REGISTRY_PASSWORD"}
+    assert "REDIS_REGISTRY_PASSWORD" in " ".join(redis["healthcheck"]["test"])
+
+
+@pytest.mark.parametrize("attached", [False, True], ids=["first_run", "run_again"])
+def test_minio_init_gives_the_registry_a_user_limited_to_the_bucket(tmp_path: Path, attached: bool) -> None:
+    # The job's shell script with `mc` stubbed: it makes the bucket, a policy on that bucket only and
+    # the registry's user from store.env, and succeeds again when the policy is attached already.
+    init = load_compose()["services"]["minio-init"]
+    script = init["command"][0].replace("$$", "$")
+    script = script.replace("/tmp/registry-policy.json", str(tmp_path / "p.json"))
+    stub = ('mc() { echo "mc $*" >> "$LOG"; case "$*" in "admin policy attach"*) [ "$ATTACHED" = 0 ];; '
+            '"admin user info"*) echo "PolicyName: sparsecast-registry";; esac; }; ')
+    store = dict(re.findall(r"^([A-Z_]+)=(.*)$", (ROOT / "deploy/env/store.env").read_text(), re.M))
+    env = {"PATH": os.environ["PATH"], "LOG": str(tmp_path / "log"), "ATTACHED": str(int(attached)),
+           "MINIO_ROOT_USER": "root", "MINIO_ROOT_PASSWORD": "root-secret", **init["environment"], **store}
+    done = subprocess.run(["sh", "-c", stub + script], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    calls = (tmp_path / "log").read_text().splitlines()
+    user = store["SPARSECAST_STORE_OPTIONS__ACCESS_KEY_ID"]
+    assert f"mc admin user add local {user} {store['SPARSECAST_STORE_OPTIONS__SECRET_ACCESS_KEY']}" in calls
+    assert f"mc admin policy attach local sparsecast-registry --user {user}" in calls
+    resources = {r for s in json.loads((tmp_path / "p.json").read_text())["Statement"] for r in s["Resource"]}
+    assert resources == {f"arn:aws:s3:::{env['BUCKET']}", f"arn:aws:s3:::{env['BUCKET']}/*"}

@@ -19,12 +19,12 @@ from tests.unit.deploy.test_deploy_k8s import (
 )
 
 ROOT = REPO_ROOT
-TRAINER_KEYS = ("SPARSECAST_LR", "SPARSECAST_GROUPS_PER_STEP", "SPARSECAST_SAMPLES_PER_PROMPT")
+TRAINER_KEYS = ("SPARSECAST_OPTIM__LR", "SPARSECAST_GROUPS_PER_STEP", "SPARSECAST_SAMPLES_PER_PROMPT")
 ROLLOUT_KEYS = (
-    "SPARSECAST_KV_POLICY",
-    "SPARSECAST_KV_BUDGET",
-    "SPARSECAST_KV_BUFFER",
-    "SPARSECAST_KV_KEEP_PROMPT",
+    "SPARSECAST_KV__POLICY",
+    "SPARSECAST_KV__BUDGET",
+    "SPARSECAST_KV__BUFFER",
+    "SPARSECAST_KV__KEEP_PROMPT",
 )
 
 
@@ -32,13 +32,13 @@ def demo_defaults() -> dict[str, object]:
     o = DemoOptions()
     return {
         "SPARSECAST_RUN": RUN,
-        "SPARSECAST_LR": float(o.lr),
+        "SPARSECAST_OPTIM__LR": float(o.lr),
         "SPARSECAST_GROUPS_PER_STEP": o.groups_per_step,
         "SPARSECAST_SAMPLES_PER_PROMPT": o.samples_per_prompt,
-        "SPARSECAST_KV_POLICY": o.kv_policy,
-        "SPARSECAST_KV_BUDGET": o.kv_budget,
-        "SPARSECAST_KV_BUFFER": o.kv_buffer,
-        "SPARSECAST_KV_KEEP_PROMPT": o.kv_keep_prompt,
+        "SPARSECAST_KV__POLICY": o.kv_policy,
+        "SPARSECAST_KV__BUDGET": o.kv_budget,
+        "SPARSECAST_KV__BUFFER": o.kv_buffer,
+        "SPARSECAST_KV__KEEP_PROMPT": o.kv_keep_prompt,
     }
 
 
@@ -90,6 +90,15 @@ def test_kustomize_starts_the_demos_training() -> None:
     assert manifests_settings(kubectl_kustomize("cpu")) == demo_defaults()
 
 
+def test_compose_recomputes_as_the_demo_does() -> None:
+    """The CPU profile is the demo's: replayed log-probs (services/demo/options.py); the GPU
+    profile keeps the service default, whose masks scale to real models."""
+    services = load_compose()["services"]
+    env = {k: compose_default(v) for k, v in services["trainer"]["environment"].items()}
+    assert env["SPARSECAST_LOSS__RECOMPUTE"] == DemoOptions().recompute
+    assert "SPARSECAST_LOSS__RECOMPUTE" not in services["trainer-gpu"].get("environment", {})
+
+
 def test_compose_submits_whole_demo_steps() -> None:
     command = load_compose()["services"]["demo-submit"]["command"]
     count = int(compose_default(command[command.index("--generate") + 1]))
@@ -100,6 +109,7 @@ def test_a_differing_deploy_file_is_caught() -> None:
     # The comparison is real: the old chart learning rate differs from the demo's.
     values = yaml.safe_load((ROOT / "k8s/helm/sparsecast/values.yaml").read_text())
     changed = [
-        e | {"value": "2e-5"} if e["name"] == "SPARSECAST_LR" else e for e in values["trainer"]["extraEnv"]
+        e | {"value": "2e-5"} if e["name"] == "SPARSECAST_OPTIM__LR" else e
+        for e in values["trainer"]["extraEnv"]
     ]
     assert manifests_settings(helm_template(overrides={"trainer": {"extraEnv": changed}})) != demo_defaults()

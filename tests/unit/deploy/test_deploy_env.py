@@ -1,5 +1,7 @@
-"""Every SPARSECAST_* name the deployment files set is a real setting of a service, and every one of
-them is listed in docs/deploy.md (the one list the services' settings and the deploy files share)."""
+"""Every SPARSECAST_* name the deployment files set is a real setting of a service, none of them is a
+deprecated flat alias of a nested setting (SPARSECAST_KV_BUDGET for SPARSECAST_KV__BUDGET), and every
+one of them is listed in docs/deploy.md (the one list the services' settings and the deploy files
+share)."""
 
 from __future__ import annotations
 
@@ -10,15 +12,19 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import BaseModel
 
 from services.registry.settings import RegistrySettings
-from services.rollout.settings import RolloutSettings
-from services.trainer.settings import TrainerSettings
+from services.rollout.settings import FLAT_KV_NAMES, RolloutSettings
+from services.trainer.settings import FLAT_OPTIM_NAMES, TrainerSettings
 from tests.paths import REPO_ROOT
 
 ROOT = REPO_ROOT
 NAME = re.compile(r"\bSPARSECAST_[A-Z0-9_]+\b")
 SETTINGS = (RegistrySettings, RolloutSettings, TrainerSettings)
+# Flat names a nested setting keeps as a deprecated alias for now (shared.settings.FlatAliases):
+# the services still read them, our own deploy files must not set them.
+DEPRECATED_ALIASES = {f"SPARSECAST_{flat.upper()}" for flat in (*FLAT_KV_NAMES, *FLAT_OPTIM_NAMES)}
 
 
 def deploy_files() -> list[Path]:
@@ -59,15 +65,40 @@ def container_env_names() -> set[str]:
 
 
 def is_setting(name: str) -> bool:
-    field = name.removeprefix("SPARSECAST_").lower().split("__")[0]
-    return any(field in settings.model_fields for settings in SETTINGS)
+    """A field of a service's settings; SECTION__FIELD a field of that section's model (a dict such
+    as STORE_OPTIONS takes any key)."""
+    return any(_is_field(settings, name.removeprefix("SPARSECAST_").lower().split("__"))
+               for settings in SETTINGS)
+
+
+def _is_field(model: type[BaseModel], parts: list[str]) -> bool:
+    field = model.model_fields.get(parts[0])
+    if field is None:
+        return False
+    if len(parts) == 1:
+        return True
+    section = field.annotation
+    return not (isinstance(section, type) and issubclass(section, BaseModel)) or _is_field(section, parts[1:])
 
 
 def test_container_env_names_are_service_settings() -> None:
     names = container_env_names()
-    assert {"SPARSECAST_REDIS_URL", "SPARSECAST_PORT", "SPARSECAST_KV_POLICY"} <= names
+    assert {"SPARSECAST_REDIS_URL", "SPARSECAST_PORT", "SPARSECAST_KV__POLICY",
+            "SPARSECAST_OPTIM__LR"} <= names
     unknown = sorted(name for name in names if not is_setting(name))
     assert not unknown, f"set by the deploy files but read by no service: {unknown}"
+
+
+def test_no_deploy_file_uses_a_deprecated_alias() -> None:
+    """Not in a container's environment, nor as a compose variable or in a comment: the nested
+    names only (a user's own local env file may still set an alias; the service warns)."""
+    used = {
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in deploy_files()
+        for name in NAME.findall(path.read_text())
+        if name in DEPRECATED_ALIASES
+    }
+    assert not used, f"deprecated flat names in the deploy files: {sorted(used)}"
 
 
 def test_every_name_is_documented_in_deploy_md() -> None:
@@ -76,7 +107,16 @@ def test_every_name_is_documented_in_deploy_md() -> None:
     assert not sorted(used - documented), f"missing from docs/deploy.md: {sorted(used - documented)}"
 
 
-@pytest.mark.parametrize("name", ["SPARSECAST_KV_BUDGET", "SPARSECAST_STORE_URL", "SPARSECAST_MODEL"])
+@pytest.mark.parametrize("name", ["SPARSECAST_KV__BUDGET", "SPARSECAST_OPTIM__LR", "SPARSECAST_STORE_URL",
+                                  "SPARSECAST_MODEL"])
 def test_is_setting_tells_real_from_made_up(name: str) -> None:
     assert is_setting(name)
     assert not is_setting(name + "_TYPO")
+
+
+@pytest.mark.parametrize("name", ["SPARSECAST_KV_BUDGET", "SPARSECAST_KV_LAYER_BUDGETS", "SPARSECAST_LR",
+                                  "SPARSECAST_GRAD_CLIP"])
+def test_deprecated_aliases_are_not_settings_here(name: str) -> None:
+    # The aliases still work in a service (FlatAliases) but are no settings the deploy files may set.
+    assert name in DEPRECATED_ALIASES
+    assert not is_setting(name)

@@ -29,6 +29,23 @@ KUSTOMIZE = ROOT / "k8s" / "kustomize"
 CHART = ROOT / "k8s" / "helm" / "sparsecast"
 K8S_VERSION = "1.32.0"  # a version every current managed Kubernetes offers
 SERVICES = {"registry": 8100, "trainer": 8000, "rollout": 8200}
+# Least privilege (issue 27): each service's credentials, variable → the Secret's key. Only the
+# trainer and the registry hold the publish token, only the trainer and the workers the worker
+# token, and each service's own API token is its alone.
+API, PUBLISH, WORKER, REDIS = (
+    "SPARSECAST_API_TOKEN", "SPARSECAST_PUBLISH_TOKEN", "SPARSECAST_WORKER_TOKEN", "SPARSECAST_REDIS_URL")
+CREDENTIALS = {
+    "trainer": {API: API, PUBLISH: PUBLISH, WORKER: WORKER, REDIS: REDIS},
+    "registry": {API: "REGISTRY_API_TOKEN", PUBLISH: PUBLISH, REDIS: REDIS},
+    "rollout": {API: "ROLLOUT_API_TOKEN", WORKER: WORKER, REDIS: REDIS},
+}
+STORE_KEYS = {"SPARSECAST_STORE_OPTIONS__ACCESS_KEY_ID", "SPARSECAST_STORE_OPTIONS__SECRET_ACCESS_KEY"}
+
+
+def secret_env(container: dict) -> dict[str, str]:
+    """variable → Secret key, for the container's env entries taken from a Secret."""
+    return {e["name"]: e["valueFrom"]["secretKeyRef"]["key"] for e in container.get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})}
 
 
 def kubectl_kustomize(overlay: str) -> list[dict]:
@@ -142,30 +159,30 @@ def check_manifests(docs: list[dict], *, gpu: bool, trainer_gpu: bool = False) -
         assert container["startupProbe"]["httpGet"]["path"] == "/healthz", name
         assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
         # The images listen on 0.0.0.0, where a service refuses to start without a token: each
-        # takes it from the Secret, never from a literal in the manifest.
-        token = next(e for e in container["env"] if e["name"] == "SPARSECAST_API_TOKEN")
-        assert token["valueFrom"]["secretKeyRef"]["key"] == "SPARSECAST_API_TOKEN" and "value" not in token, (
-            name
-        )
+        # takes its own credentials from the Secret (never a literal), and no other ones.
+        held = {k: v for k, v in secret_env(container).items() if k not in STORE_KEYS or name != "registry"}
+        assert held == CREDENTIALS[name], name
+        assert not {"SPARSECAST_API_TOKEN", "SPARSECAST_PUBLISH_TOKEN", "SPARSECAST_WORKER_TOKEN"} & {
+            e["name"] for e in container.get("env", []) if "value" in e}, name
 
     _, rollout = services["rollout"]
     limits = rollout["resources"].get("limits", {})
     env = container_env(rollout)
     if gpu:
         assert int(limits["nvidia.com/gpu"]) >= 1
-        assert rollout["image"].endswith(":cuda")
+        assert rollout["image"].endswith("-cuda")
         assert env["SPARSECAST_DEVICE"] == "cuda"
     else:
         assert "nvidia.com/gpu" not in limits
-        assert rollout["image"].endswith(":cpu")
+        assert rollout["image"].endswith("-cpu")
         assert env["SPARSECAST_DEVICE"] == "cpu"
     _, registry = services["registry"]
     assert "nvidia.com/gpu" not in registry["resources"].get("limits", {})
-    assert registry["image"].endswith(":cpu")
+    assert registry["image"].endswith("-cpu")
     _, trainer = services["trainer"]
     trainer_limits = trainer["resources"].get("limits", {})
     assert ("nvidia.com/gpu" in trainer_limits) == trainer_gpu
-    assert trainer["image"].endswith(":cuda" if trainer_gpu else ":cpu")
+    assert trainer["image"].endswith("-cuda" if trainer_gpu else "-cpu")
     assert container_env(trainer)["SPARSECAST_DEVICE"] == ("cuda" if trainer_gpu else "cpu")
 
     check_references(docs, by_kind)
@@ -261,23 +278,29 @@ def test_chart_templates_only_use_values_that_exist() -> None:
                 node = node[key]
 
 
-def test_chart_takes_the_api_token_from_a_secret_generated_if_not_given() -> None:
-    # Static checks of the templates (helm is not on these machines to render them).
-    templates = {p.name: p.read_text() for p in (CHART / "templates").glob("*.yaml")}
+def test_chart_credentials_are_separate_generated_secrets() -> None:
+    """One generated credential per role (kept across upgrades through lookup), the bundled
+    Redis's password inside the services' SPARSECAST_REDIS_URL, Redis started with requirepass."""
+    docs = helm_template()
+    [secret] = [d for d in docs if d["kind"] == "Secret"]
+    data = secret["stringData"]
+    tokens = ["SPARSECAST_API_TOKEN", "SPARSECAST_PUBLISH_TOKEN", "SPARSECAST_WORKER_TOKEN",
+              "REGISTRY_API_TOKEN", "ROLLOUT_API_TOKEN", "REDIS_PASSWORD"]
+    values = [data[key] for key in tokens]
+    assert all(len(v) == 32 for v in values) and len(set(values)) == len(values)
+    assert data["SPARSECAST_REDIS_URL"] == f"redis://:{data['REDIS_PASSWORD']}@demo-sparsecast-redis:6379/0"
+    [redis] = pod_spec(docs, "redis")["spec"]["containers"]
+    assert redis["args"][-2:] == ["--requirepass", "$(REDIS_PASSWORD)"]
+    assert secret_env(redis) == {"REDIS_PASSWORD": "REDIS_PASSWORD", "REDISCLI_AUTH": "REDIS_PASSWORD"}
     helpers = (CHART / "templates" / "_helpers.tpl").read_text()
-    for name in SERVICES:
-        env = re.search(r'include "sparsecast.env" \(list \. ([^)]*)\)', templates[f"{name}.yaml"])
-        assert env and '"SPARSECAST_API_TOKEN"' in env.group(1), name
-        assert "SPARSECAST_API_TOKEN" not in templates[f"{name}.yaml"].replace(env.group(0), ""), name
-    assert "secretKeyRef" in helpers.split('define "sparsecast.env"')[1]
-    secret = templates["secret.yaml"]
-    assert re.search(
-        r'SPARSECAST_API_TOKEN: \{\{ \.Values\.auth\.apiToken \| default \(include "sparsecast\.generated"',
-        secret,
-    )
     generated = helpers.split('define "sparsecast.generated"')[1].split("{{- end }}\n{{- end }}")[0]
     assert "randAlphaNum 32" in generated and "lookup" in generated  # random, and kept across upgrades
-    assert load_values()["auth"] == {"apiToken": "", "existingSecret": ""}
+    given = helm_template(overrides={"auth": {"apiToken": "a" * 20, "publishToken": "p" * 20},
+                                     "redis": {"password": "r" * 20}})
+    [secret] = [d for d in given if d["kind"] == "Secret"]
+    assert secret["stringData"]["SPARSECAST_API_TOKEN"] == "a" * 20
+    assert secret["stringData"]["SPARSECAST_PUBLISH_TOKEN"] == "p" * 20
+    assert secret["stringData"]["SPARSECAST_REDIS_URL"].startswith(f"redis://:{'r' * 20}@")
 
 
 def test_chart_renders_both_images_and_every_service() -> None:
@@ -415,7 +438,7 @@ def test_chart_operator_options_render_valid_objects() -> None:
     [models] = [v for v in trainer["volumes"] if v["name"] == "models"]
     assert ("PersistentVolumeClaim", models["persistentVolumeClaim"]["claimName"]) in objects
     # The trainer on GPUs.
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2 and container["image"].endswith(":cuda")
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2 and container["image"].endswith("-cuda")
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in trainer["tolerations"]
 
     # Autoscaling replaces the fixed replica count.

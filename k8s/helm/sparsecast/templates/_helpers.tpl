@@ -35,15 +35,29 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- .Values.auth.existingSecret | default (printf "%s-secrets" (include "sparsecast.fullname" .)) }}
 {{- end }}
 
-{{- define "sparsecast.image" -}}
-{{- printf "%s:%s" .Values.image.repository .Values.image.tag }}
+{{/* An image reference: repository, then the tag (default: the chart's appVersion with the
+     flavour, e.g. 0.1.0-cpu), then the digest when given, which pins the image whatever the tag.
+     include "sparsecast.imageRef" (list . .Values.image "cpu") */}}
+{{- define "sparsecast.imageRef" -}}
+{{- $root := index . 0 }}
+{{- $image := index . 1 }}
+{{- $tag := $image.tag | default (printf "%s-%s" $root.Chart.AppVersion (index . 2)) }}
+{{- printf "%s:%s" $image.repository $tag }}
+{{- with $image.digest }}@{{ . }}{{ end }}
 {{- end }}
 
-{{- define "sparsecast.redisUrl" -}}
-{{- if .Values.redis.bundled }}
-{{- printf "redis://%s-redis:6379/0" (include "sparsecast.fullname" .) }}
+{{/* The CPU image (registry, CPU trainer and workers, helm test). */}}
+{{- define "sparsecast.image" -}}
+{{- include "sparsecast.imageRef" (list . .Values.image "cpu") }}
+{{- end }}
+
+{{/* The CPU or the CUDA image: include "sparsecast.imageFor" (list . gpu) */}}
+{{- define "sparsecast.imageFor" -}}
+{{- $root := index . 0 }}
+{{- if index . 1 }}
+{{- include "sparsecast.imageRef" (list $root $root.Values.cudaImage "cuda") }}
 {{- else }}
-{{- required "redis.url is required when redis.bundled is false" .Values.redis.url }}
+{{- include "sparsecast.imageRef" (list $root $root.Values.image "cpu") }}
 {{- end }}
 {{- end }}
 
@@ -117,21 +131,35 @@ readinessProbe:
   failureThreshold: 3
 {{- end }}
 
-{{/* Environment every sparsecast container gets: the ConfigMap, plus named keys of the Secret.
-     include "sparsecast.env" (list . "SPARSECAST_API_TOKEN" "SPARSECAST_REDIS_URL") */}}
+{{/* Environment every sparsecast container gets: the ConfigMap, plus named keys of the Secret,
+     each as the variable of that name or as "VARIABLE=KEY".
+     include "sparsecast.env" (list . "SPARSECAST_REDIS_URL" "SPARSECAST_API_TOKEN=ROLLOUT_API_TOKEN") */}}
 {{- define "sparsecast.env" -}}
 {{- $root := index . 0 }}
 envFrom:
   - configMapRef:
       name: {{ include "sparsecast.fullname" $root }}-config
 env:
-{{- range $key := rest . }}
-  - name: {{ $key }}
+{{- range $entry := rest . }}
+{{- $parts := splitList "=" $entry }}
+  - name: {{ first $parts }}
     valueFrom:
       secretKeyRef:
         name: {{ include "sparsecast.secretName" $root }}
-        key: {{ $key }}
+        key: {{ last $parts }}
 {{- end }}
+{{- end }}
+
+{{/* The writable paths besides /data under a read-only root filesystem: /tmp as an emptyDir.
+     volumeMounts entry and volumes entry. */}}
+{{- define "sparsecast.tmpMount" -}}
+- name: tmp
+  mountPath: /tmp
+{{- end }}
+{{- define "sparsecast.tmpVolume" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: 1Gi
 {{- end }}
 
 {{/* OMP_NUM_THREADS from a container's CPU limit ("2", 2, "1500m"): whole cores, at least 1;
@@ -157,7 +185,7 @@ checksum/config: {{ include (print $root.Template.BasePath "/configmap.yaml") $r
 {{- /* The values the Secret is made of, not the rendered Secret: generated entries are random
        in every render until the release exists (lookup), and kept across upgrades after. */}}
 {{- $v := $root.Values }}
-{{- $inputs := list $v.auth $v.minio.rootUser $v.minio.rootPassword $v.redis.url $v.store.secretOptions }}
+{{- $inputs := list $v.auth $v.minio.rootUser $v.minio.rootPassword $v.redis.url $v.redis.password $v.store.secretOptions }}
 checksum/secret: {{ $inputs | toJson | sha256sum }}
 {{- end }}
 {{- if $root.Values.metrics.scrapeAnnotations }}
