@@ -2,8 +2,10 @@
 
 A Qwen3-shaped model (from config, no download) is trained with AdamW (lr 1e-6) on a real LM
 loss over a text-like token stream; fp32 master weights, bf16 published weights. Per step it
-records the changed fraction, dense bf16 bytes, patch bytes for `values`, `bitdelta`, `auto` and a
-PULSE-style baseline (grail's codec, ../shared/REFERENCE.md §2, re-implemented below), whether the
+records the changed fraction, dense bf16 bytes, patch bytes for `values`, `bitdelta`, `ctxans`, `auto`
+and a PULSE-style baseline (grail's codec from PULSE, arXiv 2602.03839, re-implemented below), each
+also as bits per changed weight beside the i.i.d. floor H(p)/p + 1 of the step's changed fraction p
+(positions independent, a change costing its sign only); whether the
 applied patch is bit-exact, and extract / encode / decode / apply / fingerprint seconds (extract and
 fingerprint also through the per-tensor paths, as same-run baselines: `*_per_tensor_over_default`
 is the speed-up of the default, batched on a GPU). After the
@@ -72,7 +74,7 @@ def text_like_tokens(vocab: int, n: int, rng: np.random.Generator) -> torch.Tens
 
 
 def pulse_baseline_bytes(old: StateDict, new: StateDict) -> int:
-    """Bytes of grail's sparse delta codec (PULSE, arXiv 2602.03839; REFERENCE §2): changed
+    """Bytes of grail's sparse delta codec (PULSE, arXiv 2602.03839, its public code): changed
     elements as COO sorted by (row, col), row = flat // prod(shape[1:]); rows diff-encoded, cols
     absolute at a row change and deltas within a row; each index array downcast to uint8 / uint16
     where its maximum fits (else int32); values as raw bits; a u32-length-prefixed JSON header
@@ -139,6 +141,14 @@ def _encoding_sizes(old: StateDict, new: StateDict, header_bytes: int) -> dict[s
         "values": header_bytes + index + sum(len(compress(r.values_raw.numpy().tobytes())) for r in raws),
         "bitdelta": header_bytes + index + sum(len(compress(r.bitdelta_raw.numpy().tobytes())) for r in raws),
     }
+
+
+def iid_floor_bits(p: float) -> float:
+    """Bits per changed weight if each position changed independently with probability p and a
+    change cost its sign only: H(p)/p + 1 (what a context-free coder cannot beat)."""
+    if not 0 < p < 1:
+        return 1.0
+    return -(p * math.log2(p) + (1 - p) * math.log2(1 - p)) / p + 1
 
 
 def _same_bits(a: StateDict, b: StateDict) -> bool:
@@ -222,13 +232,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         version = dict(run=args.run, base_version=step, target_version=step + 1,
                        base_fingerprint=base_fp, target_fingerprint=target_fp)
-        patch, extract_encode_s = timed(device, lambda o=old, n=new, v=version: extract_patch(o, n, **v))
+        patch, extract_encode_s = timed(
+            device, lambda o=old, n=new, v=version: extract_patch(o, n, encoding="auto", **v))
         sizes = _encoding_sizes(old, new, header_bytes=read_header(patch).header_bytes)
         pulse = pulse_baseline_bytes(old, new)
+        # ctxans alone, decoded and applied on its own copy of the base (same code as in `auto`).
+        ctx_patch, ctx_extract_encode_s = timed(
+            device, lambda o=old, n=new, v=version: extract_patch(o, n, encoding="ctxans", **v))
+        ctx_header = parse_patch(ctx_patch)
+        ctx_replica = {k: v.clone() for k, v in replica.items()}
+        _, ctx_decode_s = timed(
+            device, lambda p=ctx_patch, h=ctx_header, r=ctx_replica: decode_patch(p, h, r))
+        apply_patch(ctx_replica, ctx_patch)
+        ctx_exact = _same_bits(ctx_replica, new)
+        del ctx_replica
         header = parse_patch(patch)
         _, decode_s = timed(device, lambda p=patch, h=header: decode_patch(p, h, replica))
         _, apply_s = timed(device, lambda p=patch: apply_patch(replica, p))
         bit_exact = _same_bits(replica, new)  # apply_patch has also checked the target fingerprint
+        floor = iid_floor_bits(changed / params)
+        per_change = {e: 8 * b / changed for e, b in (
+            ("values", sizes["values"]), ("bitdelta", sizes["bitdelta"]), ("ctxans", len(ctx_patch)),
+            ("auto", len(patch)), ("pulse", pulse))}
         record = {
             "step": step + 1,
             "loss": round(loss.item(), 4),
@@ -237,8 +262,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "dense_bf16_bytes": dense_bytes,
             "values_bytes": sizes["values"],
             "bitdelta_bytes": sizes["bitdelta"],
+            "ctxans_bytes": len(ctx_patch),
             "auto_bytes": len(patch),
+            "auto_encodings": _encoding_counts(header),
             "auto_header_bytes": header.header_bytes,
+            "iid_floor_bits_per_changed": floor,
+            "bits_per_changed": per_change,
+            "bits_over_iid_floor": {e: b / floor for e, b in per_change.items()},
+            "ctxans_bit_exact": ctx_exact,
+            "ctxans_encode_s": max(0.0, ctx_extract_encode_s - extract_s),
+            "ctxans_decode_s": ctx_decode_s,
             "pulse_bytes": pulse,
             "bitdelta_over_pulse": sizes["bitdelta"] / pulse,
             "dense_over_auto": dense_bytes / len(patch),
@@ -259,7 +292,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if save_dir:
             (save_dir / f"patch-{step + 1:06d}.bin").write_bytes(patch)
         print(
-            f"step {step + 1}: changed {record['changed_fraction']:.3%} values {sizes['values'] / 1e6:.2f} "
+            f"step {step + 1}: bits/changed weight ctxans {per_change['ctxans']:.2f} "
+            f"auto {per_change['auto']:.2f} bitdelta {per_change['bitdelta']:.2f} "
+            f"(i.i.d. floor {floor:.2f}; ctxans x{per_change['ctxans'] / floor:.3f}) "
+            f"ctxans exact {ctx_exact} encode {record['ctxans_encode_s']:.3f} s decode {ctx_decode_s:.3f} s\n"
+            f"  changed {record['changed_fraction']:.3%} values {sizes['values'] / 1e6:.2f} "
             "MB "
             f"bitdelta {sizes['bitdelta'] / 1e6:.2f} MB pulse {pulse / 1e6:.2f} MB "
             f"(x{record['bitdelta_over_pulse']:.2f}) exact {bit_exact} extract {extract_s * 1e3:.1f} ms "
@@ -278,6 +315,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = _report(args, device, params, dense_bytes, batch, seq, steps, union) | {"complete": True}
     out.write_text(json.dumps(result, indent=1))
     return result
+
+
+def _encoding_counts(header: Any) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for t in header.tensors:
+        counts[t.encoding] = counts.get(t.encoding, 0) + 1
+    return counts
 
 
 def _union_record(
@@ -307,11 +351,17 @@ def _report(args, device, params, dense_bytes, batch, seq, steps, union) -> dict
     ratio = statistics.mean(s["bitdelta_over_pulse"] for s in steps)
     extract_fp = statistics.median(s["extract_s"] + s["fingerprint_s"] for s in warm)
     summary = {
+        "torch_threads": torch.get_num_threads(),
+        "max_ctxans_over_iid_floor": max(s["bits_over_iid_floor"]["ctxans"] for s in steps),
+        "max_auto_over_iid_floor": max(s["bits_over_iid_floor"]["auto"] for s in steps),
+        "ctxans_all_bit_exact": all(s["ctxans_bit_exact"] for s in steps),
+        "median_ctxans_encode_s": med("ctxans_encode_s"), "median_ctxans_decode_s": med("ctxans_decode_s"),
         "mean_changed_fraction": statistics.mean(s["changed_fraction"] for s in steps),
         "mean_bitdelta_over_pulse": ratio,
         "mean_values_over_pulse": statistics.mean(s["values_bytes"] / s["pulse_bytes"] for s in steps),
         "mean_dense_over_auto": statistics.mean(s["dense_over_auto"] for s in steps),
-        "all_bit_exact": all(s["bit_exact"] and s["extract_fingerprint_exact"] for s in steps)
+        "all_bit_exact": all(s["bit_exact"] and s["extract_fingerprint_exact"] and s["ctxans_bit_exact"]
+                             for s in steps)
         and all(u.get("merged_bit_exact", True) for u in union),
         "median_extract_fingerprint_one_pass_s": med("extract_fingerprint_s"),
         "median_extract_s": med("extract_s"), "median_fingerprint_s": med("fingerprint_s"),
@@ -328,6 +378,9 @@ def _report(args, device, params, dense_bytes, batch, seq, steps, union) -> dict
         "extract_fingerprint_one_pass_le_10ms": summary["median_extract_fingerprint_one_pass_s"] <= 0.010,
         "extract_encode_le_1s": summary["median_extract_encode_s"] <= 1.0,
         "apply_le_0_5s": summary["median_apply_s"] <= 0.5,
+        "ctxans_le_0_85_iid_floor_every_step": summary["max_ctxans_over_iid_floor"] <= 0.85,
+        "ctxans_encode_le_0_3s": summary["median_ctxans_encode_s"] <= 0.3,
+        "ctxans_decode_le_0_3s": summary["median_ctxans_decode_s"] <= 0.3,
         "note": "timing targets are stated for the 1.7b shape on an H100-class GPU",
     }
     return {

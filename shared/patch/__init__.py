@@ -3,7 +3,7 @@
 Public API (contract: docs/internals.md; byte format: docs/patch-format.md).
 """
 
-from .apply import apply_patch
+from .apply import StagedPatch, apply_patch, commit_patch, stage_patch
 from .codec import dense_bytes, extract_patch
 from .errors import (
     CorruptPatchError,
@@ -45,6 +45,7 @@ __all__ = [
     "PatchError",
     "PatchHeader",
     "SnapshotInfo",
+    "StagedPatch",
     "Stream",
     "TargetMismatchError",
     "TensorEntry",
@@ -54,6 +55,7 @@ __all__ = [
     "WrongBaseError",
     "apply_patch",
     "chunk_checksum",
+    "commit_patch",
     "dense_bytes",
     "extract_patch",
     "fingerprint",
@@ -65,6 +67,7 @@ __all__ = [
     "snapshot_header_size",
     "snapshot_info",
     "snapshot_size",
+    "stage_patch",
     "verify_chunk",
     "verify_chunks",
 ]

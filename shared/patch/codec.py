@@ -1,4 +1,5 @@
-"""Extract, encode and decode the changed elements of tensors (encodings `values` and `bitdelta`).
+"""Extract, encode and decode the changed elements of tensors (encodings `values`, `bitdelta`, and
+`ctxans` through ctxans.py).
 
 Everything up to the entropy coder runs in torch on the tensors' own device (CPU or CUDA), fully
 vectorised; only the zstd step runs on the host, one tensor stream per thread.
@@ -8,7 +9,8 @@ Streams of one tensor with `count` changed elements (docs/patch-format.md is nor
 - payload stream: zstd(byte planes of `count` unsigned `width`-byte integers), plane k holding
   byte k (little-endian) of every integer. `values`: the new bit patterns. `bitdelta`: zigzag of
   (new bits - old bits) mod 2**(8*width) read as a signed integer; mostly ±1 for optimiser steps
-  (../shared/REFERENCE.md §4: about half the bytes of `values`), but it needs the exact base.
+  (about half the bytes of `values`, as measured by bench/patch.py), but it needs the exact base.
+- `ctxans` (bf16 only; ctxans.py): both streams rANS-coded under contexts from the base weights.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Literal
 import torch
 import zstandard
 
+import shared.patch.ctxans as ctxans
 import shared.patch.fused as fused
 from shared.dtypes import DTYPES
 
@@ -30,8 +33,10 @@ from .errors import CorruptPatchError, FormatError, TensorMismatchError, Unknown
 from .fingerprint import device_sums, digest, fingerprint
 from .format import WIDTHS, EncodedTensor, PatchHeader, Stream, TensorEntry, write_patch
 
-Encoding = Literal["auto", "values", "bitdelta"]
-ENCODINGS = ("values", "bitdelta")
+# `auto`: per tensor the smallest of all three; `zstd`: the smaller of `values` and `bitdelta` (what
+# the sharded writer of services/trainer/distributed.py makes, which has no whole base tensor).
+Encoding = Literal["auto", "zstd", "values", "bitdelta", "ctxans"]
+ENCODINGS = ("values", "bitdelta", "ctxans")
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MAX_VARINT_BYTES = 9  # 9 * 7 = 63 bits: every non-negative int64
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # a standard zstd frame (skippable frames use other magics)
@@ -193,6 +198,7 @@ class RawChange:
     index_raw: torch.Tensor
     values_raw: torch.Tensor | None
     bitdelta_raw: torch.Tensor | None
+    ctx: ctxans.CtxInput | None = None  # what `ctxans` codes (bf16 with the base at hand)
 
 
 def raw_change(
@@ -202,8 +208,10 @@ def raw_change(
     """Gap varints and byte planes (on the tensors' device, then moved to the host) of the elements
     at `indices` (sorted flat): `values` from new_u, `bitdelta` from delta (signed, wrapped)."""
     gaps = torch.diff(indices, prepend=indices.new_full((1,), -1)) - 1
+    zstd = new_u is not None or delta is not None  # else only `ctxans` codes it: no gap varints
     return RawChange(
-        name, tuple(shape), dtype, indices.numel(), varint_encode(gaps).cpu(),
+        name, tuple(shape), dtype, indices.numel(),
+        varint_encode(gaps).cpu() if zstd else torch.empty(0, dtype=torch.uint8),
         None if new_u is None else planes_encode(new_u, width).cpu(),
         None if delta is None else planes_encode(zigzag(delta), width).cpu(),
     )
@@ -214,22 +222,33 @@ def sparse_delta(old_u: torch.Tensor, new_u: torch.Tensor, width: int) -> torch.
     return _wrap_signed(new_u - old_u, width)
 
 
-def _entropy_code(raw: RawChange) -> EncodedTensor:
-    index = compress(raw.index_raw.numpy().tobytes())
+def _entropy_code(raw: RawChange, ctx_streams: tuple[bytes, bytes] | None) -> EncodedTensor:
+    """The smallest of the codings the raw change carries (index + payload bytes); on a tie the
+    earlier of ctxans, bitdelta, values."""
+    coded: list[tuple[int, str, bytes, int, bytes, int]] = []
+    if ctx_streams is not None:
+        i, p = ctx_streams
+        coded.append((len(i) + len(p), "ctxans", i, len(i), p, len(p)))
     options = [
         (e, r) for e, r in (("bitdelta", raw.bitdelta_raw), ("values", raw.values_raw)) if r is not None
     ]
-    coded = [(len(c), e, c, r.numel()) for e, r in options for c in [compress(r.numpy().tobytes())]]
-    _, encoding, payload, payload_raw_length = min(coded, key=lambda x: x[0])
+    if options:
+        index = compress(raw.index_raw.numpy().tobytes())
+        coded += [(len(index) + len(c), e, index, raw.index_raw.numel(), c, r.numel())
+                  for e, r in options for c in [compress(r.numpy().tobytes())]]
+    _, encoding, index, index_raw_length, payload, payload_raw_length = min(coded, key=lambda x: x[0])
     return EncodedTensor(
-        raw.name, raw.shape, raw.dtype, encoding, raw.count, index, raw.index_raw.numel(), payload,
+        raw.name, raw.shape, raw.dtype, encoding, raw.count, index, index_raw_length, payload,
         payload_raw_length,
     )
 
 
 def entropy_code(raws: list[RawChange]) -> list[EncodedTensor]:
-    """zstd every stream, tensors in parallel (zstd releases the GIL); `auto` keeps the smaller."""
-    return list(_POOL.map(_entropy_code, raws))
+    """zstd every stream, tensors in parallel (zstd releases the GIL), and rANS-code every tensor
+    that carries a `ctxans` input in one batched pass; `auto` keeps the smallest per tensor."""
+    inputs = {r.name: r.ctx for r in raws if r.ctx is not None}
+    ctx_coded = dict(zip(inputs, ctxans.encode_tensors(list(inputs.values())), strict=True))
+    return list(_POOL.map(lambda r: _entropy_code(r, ctx_coded.get(r.name)), raws))
 
 
 def check_pair(name: str, old: torch.Tensor, new: torch.Tensor) -> str:
@@ -342,19 +361,25 @@ def diff_states(
     changed: Mapping[str, torch.Tensor] | None = None,
 ) -> list[RawChange]:
     """Raw changes of every tensor that differs bitwise (compared as integers on their device);
-    `changed`: changed_indices(old, new) when the caller already has them."""
+    `changed`: changed_indices(old, new) when the caller already has them. `ctxans` codes the
+    tensors it supports (bf16) and `bitdelta` the others."""
     raws = []
     for name, indices in (changed_indices(old, new) if changed is None else changed).items():
         ob, nb = bits(old[name]), bits(new[name].to(old[name].device))
         width = nb.element_size()
+        dtype = dtype_name(new[name].dtype)
+        ctx = encoding in ("auto", "ctxans") and ctxans.supports(dtype, nb.numel())
         new_u = to_unsigned(nb[indices], width)
         delta = None
         if encoding != "values":
             delta = sparse_delta(to_unsigned(ob[indices], width), new_u, width)
-        raws.append(
-            raw_change(name, tuple(new[name].shape), dtype_name(new[name].dtype), width, indices,
-                       new_u=None if encoding == "bitdelta" else new_u, delta=delta)
-        )
+        zstd = encoding in ("auto", "zstd") or not ctx
+        raw = raw_change(name, tuple(new[name].shape), dtype, width, indices,
+                         new_u=new_u if zstd and encoding in ("auto", "zstd", "values") else None,
+                         delta=delta if zstd and encoding != "values" else None)
+        if ctx:
+            raw.ctx = ctxans.CtxInput(ob, indices, zigzag(delta))  # type: ignore[arg-type]
+        raws.append(raw)
     return raws
 
 
@@ -370,13 +395,15 @@ def extract_patch(
     run: str,
     base_version: int,
     target_version: int,
-    encoding: Encoding = "auto",
+    encoding: Encoding = "zstd",
     base_fingerprint: str | None = None,
     target_fingerprint: str | None = None,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> bytes:
-    """The patch turning `old` into `new` (same names, shapes, dtypes), as container bytes."""
-    if encoding not in ("auto", *ENCODINGS):
+    """The patch turning `old` into `new` (same names, shapes, dtypes), as container bytes.
+    `encoding`: "zstd" (default) takes the smaller of values and bitdelta per tensor, fast; "auto"
+    also tries ctxans (fewest bytes, several times slower to code and decode)."""
+    if encoding not in ("auto", "zstd", *ENCODINGS):
         raise FormatError(f"unknown encoding {encoding!r}")
     with torch.no_grad():
         if target_fingerprint is None or _fused_applies(new):  # fused: the fingerprint costs no extra pass
@@ -430,7 +457,10 @@ def decode_sparse(
     entry: TensorEntry, index_raw: bytes, payload_raw: bytes, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted flat indices, payload) of one entry; payload = new unsigned bits (`values`) or the
-    signed delta (`bitdelta`), as int64 on `device`. Validates indices against the entry's shape."""
+    signed delta (`bitdelta`), as int64 on `device`. Validates indices against the entry's shape.
+    Not for `ctxans` entries: they need their base tensor (decode_ctxans)."""
+    if entry.encoding == "ctxans":
+        raise FormatError(f"{entry.name}: a ctxans entry decodes only against its base tensor")
     width = WIDTHS[entry.dtype]
     gaps = varint_decode(torch.frombuffer(bytearray(index_raw), dtype=torch.uint8).to(device), entry.count)
     numel = prod(entry.shape)
@@ -449,10 +479,7 @@ def decode_tensor(
     entry: TensorEntry, index_raw: bytes, payload_raw: bytes, target: torch.Tensor
 ) -> DecodedTensor:
     """Indices and new bit patterns for `target`, validated; reads but never writes `target`."""
-    if tuple(target.shape) != entry.shape or dtype_name(target.dtype) != entry.dtype:
-        raise TensorMismatchError(
-            f"{entry.name}: model has {tuple(target.shape)} {target.dtype}, patch {entry.shape} {entry.dtype}"
-        )
+    _check_target(entry, target)
     indices, u = decode_sparse(entry, index_raw, payload_raw, target.device)
     width = target.element_size()
     old_bits = bits(target)[indices]
@@ -466,6 +493,33 @@ def stream_bytes(data: bytes | memoryview, header: PatchHeader, stream: Stream) 
     return memoryview(data)[start : start + stream.length]
 
 
+def _check_target(entry: TensorEntry, target: torch.Tensor) -> None:
+    if tuple(target.shape) != entry.shape or dtype_name(target.dtype) != entry.dtype:
+        raise TensorMismatchError(
+            f"{entry.name}: model has {tuple(target.shape)} {target.dtype}, patch {entry.shape} {entry.dtype}"
+        )
+
+
+def decode_ctxans(
+    data: bytes | memoryview, header: PatchHeader, entries: list[TensorEntry],
+    state: Mapping[str, torch.Tensor],
+) -> list[DecodedTensor]:
+    """Decode `ctxans` entries against their base tensors in `state` (all in one rANS pass)."""
+    for e in entries:
+        _check_target(e, state[e.name])
+    items = [
+        ctxans.CtxStreams(e.name, e.count, stream_bytes(data, header, e.index),
+                          stream_bytes(data, header, e.payload), bits(state[e.name]))
+        for e in entries
+    ]
+    out = []
+    for e, (indices, z) in zip(entries, ctxans.decode_tensors(items), strict=True):
+        old_bits = bits(state[e.name])[indices]
+        out.append(DecodedTensor(e.name, indices, from_unsigned(to_unsigned(old_bits, 2) + unzigzag(z), 2),
+                                 old_bits))
+    return out
+
+
 def decode_patch(
     data: bytes | memoryview, header: PatchHeader, state: Mapping[str, torch.Tensor]
 ) -> list[DecodedTensor]:
@@ -473,12 +527,20 @@ def decode_patch(
     for entry in header.tensors:
         if entry.name not in state:
             raise UnknownTensorError(f"patch changes {entry.name!r}, which the model does not have")
+    zstd = [e for e in header.tensors if e.encoding != "ctxans"]
     raws = list(
         _POOL.map(
             lambda e: decode_streams(
                 e, stream_bytes(data, header, e.index), stream_bytes(data, header, e.payload)
             ),
-            header.tensors,
+            zstd,
         )
     )
-    return [decode_tensor(e, i, p, state[e.name]) for e, (i, p) in zip(header.tensors, raws, strict=True)]
+    decoded = {e.name: decode_tensor(e, i, p, state[e.name]) for e, (i, p) in zip(zstd, raws, strict=True)}
+    by_device: dict[torch.device, list[TensorEntry]] = {}
+    for e in header.tensors:
+        if e.encoding == "ctxans":
+            by_device.setdefault(state[e.name].device, []).append(e)
+    for entries in by_device.values():
+        decoded.update((d.name, d) for d in decode_ctxans(data, header, entries, state))
+    return [decoded[e.name] for e in header.tensors]

@@ -232,15 +232,41 @@ def device_sums(tensors: list[torch.Tensor], *, stacked: bool | None = None) -> 
     return torch.cat(parts)[gather]
 
 
-def fingerprint(state: Mapping[str, torch.Tensor]) -> str:
-    """"fp1-<32 hex>" over names (sorted), dtypes, shapes and exact bit patterns of all tensors."""
+def tensor_sums(state: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Each tensor's S, on the host (one transfer per device instead of one sync per tensor)."""
     names = sorted(state)
     host: dict[str, int] = {}
     for device in {state[n].device for n in names}:
         on_device = [n for n in names if state[n].device == device]
-        # One host transfer per device instead of one sync per tensor.
         host.update(zip(on_device, device_sums([state[n] for n in on_device]).cpu().tolist(), strict=True))
-    return digest(state, host)
+    return host
+
+
+def fingerprint(state: Mapping[str, torch.Tensor]) -> str:
+    """"fp1-<32 hex>" over names (sorted), dtypes, shapes and exact bit patterns of all tensors."""
+    return digest(state, tensor_sums(state))
+
+
+def words_at(elements: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """The int64 words at positions `words` of a tensor whose flat integer view (codec.bits) is
+    `elements`, as _words reads them (the last one zero-padded): a gather, not a pass."""
+    per_word = 8 // elements.element_size()
+    lanes = words[:, None] * per_word + torch.arange(per_word, device=words.device)
+    inside = lanes < elements.numel()
+    gathered = torch.where(inside, elements[lanes.clamp(max=max(elements.numel() - 1, 0))], 0)
+    return gathered.to(elements.dtype).contiguous().view(torch.int64).reshape(-1)
+
+
+def change_sum(old_words: torch.Tensor, new_words: torch.Tensor, words: torch.Tensor,
+               total_words: int) -> torch.Tensor:
+    """How S changes when the int64 words at positions `words` (of a tensor of `total_words`) go from
+    `old_words` to `new_words`: sum_i (x(new_i) - x(old_i)) * m_i mod 2**64, a 0-d tensor (no sync).
+    S is a sum over positions, so S(new tensor) = S(old tensor) + change_sum(...)."""
+    device = words.device
+    if not words.numel():
+        return torch.zeros((), dtype=torch.int64, device=device)
+    multipliers = _columns(device)[words % _ROW] * _rows(total_words // _ROW + 1, device)[words // _ROW]
+    return ((_mix(new_words) - _mix(old_words)) * multipliers).sum()
 
 
 def digest(state: Mapping[str, torch.Tensor], sums: Mapping[str, int]) -> str:

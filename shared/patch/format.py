@@ -6,8 +6,8 @@
     12     4  H = length of the JSON header, u32 little-endian
     16     H  JSON header, UTF-8
     16+H  32  sha256 of the JSON header
-    48+H      data region: the concatenated zstd streams, cut into chunks of `chunk_bytes`
-              (the last one shorter), each with its own sha256 in the header's chunk table.
+    48+H      data region: the concatenated streams (zstd; rANS for `ctxans`), cut into chunks of
+              `chunk_bytes` (the last one shorter), each with its own sha256 in the header's chunk table.
 
 All offsets in the header are relative to the start of the data region.
 """
@@ -56,7 +56,7 @@ class TensorEntry:
     name: str
     shape: tuple[int, ...]
     dtype: str
-    encoding: str  # "values" | "bitdelta"
+    encoding: str  # "values" | "bitdelta" | "ctxans"
     count: int  # changed elements
     index: Stream
     payload: Stream
@@ -243,13 +243,19 @@ def _parse(body: bytes) -> PatchHeader:
         )
         if header.tensors and not header.tensors[-1].name < entry.name:
             raise FormatError(f"tensor {entry.name!r} is out of name order or repeated")
-        if entry.dtype not in WIDTHS or entry.encoding not in ("values", "bitdelta"):
+        if entry.dtype not in WIDTHS or entry.encoding not in ("values", "bitdelta", "ctxans"):
             raise FormatError(f"{entry.name}: unknown dtype {entry.dtype!r} or encoding {entry.encoding!r}")
         if not 0 < entry.count <= prod(entry.shape):
             raise FormatError(f"{entry.name}: count {entry.count} out of range")
-        if entry.payload.raw_length != entry.count * WIDTHS[entry.dtype]:
+        if entry.encoding == "ctxans":  # rANS streams, stored as they are (§4.1)
+            if entry.dtype != "bfloat16" or prod(entry.shape) >= 1 << 31:
+                raise FormatError(f"{entry.name}: ctxans codes bfloat16 tensors below 2**31 elements only")
+            stored = (entry.index.length, entry.payload.length)
+            if (entry.index.raw_length, entry.payload.raw_length) != stored:
+                raise FormatError(f"{entry.name}: a ctxans stream's raw_length must equal its length")
+        elif entry.payload.raw_length != entry.count * WIDTHS[entry.dtype]:
             raise FormatError(f"{entry.name}: payload size does not match count and dtype")
-        if not entry.count <= entry.index.raw_length <= 9 * entry.count:
+        elif not entry.count <= entry.index.raw_length <= 9 * entry.count:
             raise FormatError(f"{entry.name}: index size does not match count")
         header.tensors.append(entry)
     if at != data_bytes:

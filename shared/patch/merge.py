@@ -3,9 +3,10 @@
 Each tensor's chain is folded into one sparse map position → ("set" new bits | "add" delta):
 set∘anything-set = set, set then add = set(bits + delta), add then add = add(sum), add then set =
 set. With the base weights every position resolves to final bits, positions back at their base
-value are dropped, and each tensor is re-encoded with the smaller encoding. Without the base, a
-tensor whose folded map is all "set" is written as `values` and all "add" as `bitdelta`; a mix
-needs the base.
+value are dropped, and each tensor is re-encoded with the smallest encoding (`ctxans` included).
+Without the base, a tensor whose folded map is all "set" is written as `values` and all "add" as
+`bitdelta`; a mix needs the base. A chain with `ctxans` tensors needs the base too (each patch's
+contexts are the weights it applies to): the chain is applied to a copy of the changed tensors.
 """
 
 from __future__ import annotations
@@ -15,18 +16,23 @@ from dataclasses import dataclass
 
 import torch
 
+import shared.patch.ctxans as ctxans
+
 from .codec import (
     RawChange,
     bits,
     build_patch,
+    decode_patch,
     decode_sparse,
     decode_streams,
+    diff_states,
     dtype_name,
     entropy_code,
     raw_change,
     sparse_delta,
     stream_bytes,
     to_unsigned,
+    zigzag,
 )
 from .errors import PatchError, TensorMismatchError, WrongBaseError
 from .fingerprint import fingerprint
@@ -86,8 +92,11 @@ def _resolve(name: str, f: _Folded, base: Mapping[str, torch.Tensor] | None) -> 
         if not keep.numel():
             return None
         new_u, old_u = new_u[keep], old_u[keep]
-        return raw_change(name, f.shape, f.dtype, width, f.indices[keep], new_u=new_u,
-                          delta=sparse_delta(old_u, new_u, width))
+        delta = sparse_delta(old_u, new_u, width)
+        raw = raw_change(name, f.shape, f.dtype, width, f.indices[keep], new_u=new_u, delta=delta)
+        if ctxans.supports(f.dtype, t.numel()):
+            raw.ctx = ctxans.CtxInput(bits(t), f.indices[keep].to(t.device), zigzag(delta).to(t.device))
+        return raw
     if bool(f.is_set.all()):
         return raw_change(name, f.shape, f.dtype, width, f.indices, new_u=f.value & mask)
     if bool(f.is_set.any()):
@@ -97,6 +106,38 @@ def _resolve(name: str, f: _Folded, base: Mapping[str, torch.Tensor] | None) -> 
     if not keep.numel():
         return None
     return raw_change(name, f.shape, f.dtype, width, f.indices[keep], delta=delta[keep])
+
+
+def _fold_chain(
+    patches: Sequence[bytes | memoryview], headers: list[PatchHeader], base: Mapping[str, torch.Tensor] | None
+) -> list[RawChange]:
+    folded: dict[str, _Folded] = {}
+    for data, header in zip(patches, headers, strict=True):
+        for entry in header.tensors:
+            index_raw, payload_raw = decode_streams(
+                entry, stream_bytes(data, header, entry.index), stream_bytes(data, header, entry.payload)
+            )
+            indices, payload = decode_sparse(entry, index_raw, payload_raw, torch.device("cpu"))
+            folded[entry.name] = _fold(folded.get(entry.name), entry, indices, payload)
+    return [r for name in sorted(folded) if (r := _resolve(name, folded[name], base)) is not None]
+
+
+def _replay(
+    patches: Sequence[bytes | memoryview], headers: list[PatchHeader], base: Mapping[str, torch.Tensor] | None
+) -> list[RawChange]:
+    """Apply the chain to a copy of the tensors it changes; the raw changes from base to the end."""
+    if base is None:
+        raise PatchError("merging a chain with `ctxans` tensors needs the base weights")
+    names = sorted({e.name for h in headers for e in h.tensors})
+    missing = [n for n in names if n not in base]
+    if missing:
+        raise WrongBaseError(f"base has no tensor {missing[0]!r}")
+    start = {n: base[n] for n in names}
+    state = {n: t.clone() for n, t in start.items()}
+    for data, header in zip(patches, headers, strict=True):
+        for d in decode_patch(data, header, state):
+            bits(state[d.name])[d.indices] = d.new_bits
+    return diff_states(start, state, "auto")
 
 
 def merge_patches(
@@ -114,15 +155,10 @@ def merge_patches(
     with torch.no_grad():
         if base is not None and fingerprint(base) != first.base_fingerprint:
             raise WrongBaseError(f"base weights are not {first.base_fingerprint}")
-        folded: dict[str, _Folded] = {}
-        for data, header in zip(patches, headers, strict=True):
-            for entry in header.tensors:
-                index_raw, payload_raw = decode_streams(
-                    entry, stream_bytes(data, header, entry.index), stream_bytes(data, header, entry.payload)
-                )
-                indices, payload = decode_sparse(entry, index_raw, payload_raw, torch.device("cpu"))
-                folded[entry.name] = _fold(folded.get(entry.name), entry, indices, payload)
-        raws = [r for name in sorted(folded) if (r := _resolve(name, folded[name], base)) is not None]
+        if any(e.encoding == "ctxans" for h in headers for e in h.tensors):
+            raws = _replay(patches, headers, base)
+        else:
+            raws = _fold_chain(patches, headers, base)
     merged = build_patch(
         entropy_code(raws), run=first.run, base_version=first.base_version,
         base_fingerprint=first.base_fingerprint, target_version=last.target_version,

@@ -1,0 +1,663 @@
+"""Encoding `ctxans`: bf16 changes coded with rANS under contexts taken from the base weights
+(normative spec: docs/patch-format.md §4.1).
+
+Why: a bf16 weight changes when its fp32 master crosses half a bf16 ulp, and the ulp is set by the
+weight's exponent, so the chance that an element changes depends strongly on its base exponent
+(small weights change far more often under Adam). Coding positions and values conditioned on the
+base exponent, per tensor, goes below the i.i.d. floor H(p)/p + 1 bits per changed weight
+(PULSE, arXiv 2602.03839, and every sparse codec before it code positions as if i.i.d.).
+
+Model: element i's class is its base exponent field `(b_i >> 7) & 0xFF`. In class-major order
+(classes ascending, flat index ascending within a class) the changed elements' ranks within their
+class are gap-coded. Gap tables are geometric, derived in integers from each class's change count
+and size (nothing stored: a stored table per class cost ~0.3 bit per change on the small shape);
+value tables are stored, one per class where that pays, else pooled per tensor. Coder:
+32-bit rANS with 16-bit renormalisation (Duda, arXiv 1311.2540; the word variant of F. Giesen's
+public-domain ryg_rans), `LANE_STEPS`-symbol lanes that code independently, so every lane of every
+tensor of a patch advances in one vectorised torch step (CPU threads or one GPU).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .errors import CorruptPatchError, TensorMismatchError
+
+PREC = 12  # probability precision: every table's frequencies sum to 2**PREC
+TOTAL = 1 << PREC
+STATE_LOW = 1 << 16  # rANS state lives in [2**16, 2**32); the encoder starts (and the decoder ends) at 2**16
+LANE_STEPS = 1024  # symbols per lane: a stream of n symbols has ceil(n / LANE_STEPS) lanes
+GAP_ALPHABET = 96  # 0..15 literal gaps, then (bit length 5..44) x (next bit): 16 + 2 * 40
+VALUE_ALPHABET = 40  # zigzag delta z in 1..2**16 - 1 as the gap symbol of z - 1 (bit length <= 16)
+MAX_NUMEL = 1 << 31  # larger tensors use the other encodings (keeps every rank sum below 2**63)
+_LITERAL_GAPS = 16
+_U32 = struct.Struct("<I")
+
+
+def supports(dtype: str, numel: int) -> bool:
+    """Whether a tensor may be coded `ctxans`: bf16 only (the exponent field is bf16's)."""
+    return dtype == "bfloat16" and 0 < numel < MAX_NUMEL
+
+
+def classes(base_bits: torch.Tensor) -> torch.Tensor:
+    """Each element's context: the exponent field of its base bf16 bit pattern (int16 view)."""
+    return ((base_bits >> 7) & 0xFF).to(torch.uint8)
+
+
+@dataclass
+class _ClassOrder:
+    hist: torch.Tensor  # int64 (256,): elements per class
+    start: torch.Tensor  # int64 (256,): first class-major position of each class
+    perm: torch.Tensor  # int64 (n,): class-major position -> flat index
+
+
+def _class_order(base_bits: torch.Tensor) -> _ClassOrder:
+    cls = classes(base_bits)
+    if cls.device.type == "cpu":  # numpy's stable sort of bytes is a radix sort, ~3x torch's here
+        c = cls.numpy()
+        perm = torch.from_numpy(np.argsort(c, kind="stable"))
+        hist = torch.from_numpy(np.bincount(c, minlength=256).astype(np.int64))
+    else:  # no host sync (CUDA's bincount has one): the class sizes from the sorted classes
+        ordered, perm = torch.sort(cls, stable=True)
+        hist = _sizes(ordered, 256)
+    return _ClassOrder(hist, torch.cumsum(hist, 0) - hist, perm)
+
+
+def _sizes(ordered: torch.Tensor, n: int) -> torch.Tensor:
+    """How many of the non-decreasing values `ordered` (all below n <= 256) equal 0 .. n-1, with
+    no host sync (CUDA's bincount has one)."""
+    values = torch.arange(n, device=ordered.device).to(ordered.dtype)
+    end = torch.full((1,), ordered.numel(), dtype=torch.int64, device=ordered.device)
+    return torch.diff(torch.cat([torch.searchsorted(ordered, values), end]))
+
+
+def _bit_length(g: torch.Tensor) -> torch.Tensor:
+    """Bit length of non-negative int64 values below 2**53 (frexp is exact there)."""
+    return torch.frexp(g.to(torch.float64)).exponent.to(torch.int64)
+
+
+def gap_symbols(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(symbol, extra-bit count, extra bits) of gaps g: g < 16 is its own symbol; else with
+    b = bit length, symbol 16 + 2 (b - 5) + bit b-2 of g, and the low b - 2 bits raw."""
+    b = _bit_length(g).clamp(min=5)
+    big = g >= _LITERAL_GAPS
+    nbits = torch.where(big, b - 2, 0)
+    sym = torch.where(big, _LITERAL_GAPS + 2 * (b - 5) + ((g >> (b - 2)) & 1), g)
+    return sym, nbits, g & ((1 << nbits) - 1)
+
+
+def value_symbols(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(symbol, extra-bit count, extra bits) of zigzag deltas z >= 1: those of the gap z - 1 (the
+    tail of many-ulp steps of tiny weights is long: a flat escape cost ~0.3 bit per change)."""
+    return gap_symbols(z - 1)
+
+
+def _from_symbols(
+    sym: torch.Tensor, extra: list[bytes], what: list[str], counts: list[int] | None = None
+) -> torch.Tensor:
+    """Inverse of gap_symbols, reading the extra bits of each segment of `counts` symbols from
+    its bytes (checked)."""
+    big = sym >= _LITERAL_GAPS
+    nbits = torch.where(big, (sym - _LITERAL_GAPS) // 2 + 3, 0)
+    raw = unpack_bits(extra, nbits, what, counts)
+    return torch.where(big, ((2 + ((sym - _LITERAL_GAPS) & 1)) << nbits) | raw, sym)
+
+
+def normalise(counts: torch.Tensor, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of symbol weights -> frequencies summing to TOTAL, every `seen` symbol (default: weight
+    > 0) >= 1: each gets 1 plus its floor share of the rest; the remainder goes to the symbol of
+    the largest weight (the first if tied)."""
+    seen = counts > 0 if seen is None else seen
+    spare = TOTAL - seen.sum(1, keepdim=True)
+    f = torch.where(seen, 1 + counts * spare // counts.sum(1, keepdim=True).clamp(min=1), 0)
+    f[torch.arange(f.shape[0], device=f.device), counts.argmax(1)] += TOTAL - f.sum(1)
+    return f
+
+
+_Q_BITS = 31  # fixed point of the geometric model's ratio q (products of two fit 62 bits)
+
+
+def _gap_bounds(device: torch.device) -> torch.Tensor:
+    """lo of gap symbols 0..GAP_ALPHABET (the last: one past the alphabet): symbol s covers
+    gaps [lo_s, lo_(s+1))."""
+    s = torch.arange(GAP_ALPHABET + 1, dtype=torch.int64, device=device)
+    b = (s - _LITERAL_GAPS) // 2 + 5
+    return torch.where(s < _LITERAL_GAPS, s, (2 + ((s - _LITERAL_GAPS) & 1)) << (b - 2).clamp(min=0))
+
+
+def gap_tables(changed: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
+    """Gap frequencies (rows sum to TOTAL) of classes with `changed` of `size` elements changed:
+    geometric gaps, q = 1 - changed/size, in integers only so that every decoder derives the same
+    table (nothing of it is stored). Spec: docs/patch-format.md §4.1."""
+    q = ((size - changed) << _Q_BITS) // size
+    k = _gap_bounds(q.device)
+    one = 1 << _Q_BITS
+    surv = torch.full((q.numel(), k.numel()), one, dtype=torch.int64, device=q.device)
+    power = q[:, None].expand_as(surv).clone()
+    for j in range(45):  # q**k by squaring; k < 2**45
+        bit = ((k >> j) & 1).bool()[None, :]
+        surv = torch.where(bit, (surv * power) >> _Q_BITS, surv)
+        power = (power * power) >> _Q_BITS
+    surv = torch.cummin(surv, 1).values  # rounding must not make a probability negative
+    mass = surv[:, :-1] - surv[:, 1:]
+    possible = k[None, :-1] < size[:, None]  # a gap is below its class size
+    return normalise(torch.where(possible, mass, 0), possible)
+
+
+def lanes(n: int) -> int:
+    return -(-n // LANE_STEPS)
+
+
+# --- batched rANS over many streams -----------------------------------------------------------
+
+
+@dataclass
+class _Layout:
+    """Where each symbol of each stream sits in the (step, lane) grid shared by all streams."""
+
+    lane_first: list[int]  # per stream
+    widths: list[int]  # lanes per stream
+    total_lanes: int
+    steps: int
+    cell: torch.Tensor  # int64 per symbol (streams concatenated): step * total_lanes + lane
+
+
+def _layout(counts: list[int], device: torch.device) -> _Layout:
+    widths = [lanes(n) for n in counts]
+    lane_first = [0]
+    for w in widths[:-1]:
+        lane_first.append(lane_first[-1] + w)
+    total = sum(widths)
+    steps = max((-(-n // w) for n, w in zip(counts, widths, strict=True) if n), default=0)
+    n_all = torch.tensor(counts, dtype=torch.int64, device=device)
+    stream = torch.repeat_interleave(torch.arange(len(counts), device=device), n_all, output_size=sum(counts))
+    first_symbol = torch.cumsum(n_all, 0) - n_all
+    k = torch.arange(sum(counts), device=device) - first_symbol[stream]
+    width = torch.tensor(widths, dtype=torch.int64, device=device)[stream]
+    lane = torch.tensor(lane_first, dtype=torch.int64, device=device)[stream] + k % width
+    return _Layout(lane_first, widths, total, steps, (k // width) * total + lane)
+
+
+def _grid(layout: _Layout, values: torch.Tensor, fill: int, bound: int) -> torch.Tensor:
+    """(steps, lanes) grid of one value per symbol (fill elsewhere), all values and fill <= bound:
+    ~2 cells per change of the patch, so int32 where they fit (halves the peak memory on a GPU)."""
+    dtype = torch.int32 if bound < 1 << 31 else torch.int64
+    grid = torch.full((layout.steps * layout.total_lanes,), fill, dtype=dtype, device=values.device)
+    grid[layout.cell] = values.to(dtype)
+    return grid.view(layout.steps, layout.total_lanes)
+
+
+def ans_encode(
+    symbols: torch.Tensor, tables: torch.Tensor, freq: torch.Tensor, counts: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """rANS-code streams of `counts` symbols (concatenated in `symbols`, each with its table id in
+    `tables`; `freq` rows sum to TOTAL). Returns, for all lanes of all streams in order (stream
+    s has lanes(counts[s]) lanes): (final states, words per lane, words), words lane after lane,
+    each lane's in the order its decoder reads them."""
+    device = symbols.device
+    layout = _layout(counts, device)
+    cum = torch.cumsum(freq, 1) - freq
+    # A cell without a symbol codes frequency TOTAL at 0, which leaves every state as it is
+    # (never emits: x < TOTAL << 20 = 2**32): no masks in the loop.
+    f_grid = _grid(layout, freq[tables, symbols], TOTAL, TOTAL)
+    c_grid = _grid(layout, cum[tables, symbols], 0, TOTAL)
+    g_grid = TOTAL - f_grid
+    x = torch.full((layout.total_lanes,), STATE_LOW, dtype=torch.int64, device=device)
+    need = torch.zeros(layout.steps, layout.total_lanes, dtype=torch.bool, device=device)
+    words = torch.zeros(layout.steps, layout.total_lanes, dtype=torch.int32, device=device)
+    for t in range(layout.steps - 1, -1, -1):  # rANS encodes backwards
+        f = f_grid[t]
+        out = (x >> (32 - PREC)) >= f  # x >= f << 20, without shifting the int32 f
+        need[t], words[t] = out, x & 0xFFFF
+        x = torch.where(out, x >> 16, x)
+        # ((x div f) << PREC) + (x mod f) + F_s, as x + (x div f)(TOTAL - f) + F_s
+        x = x + torch.div(x, f, rounding_mode="floor") * g_grid[t] + c_grid[t]
+    return x, need.sum(0), words.t()[need.t()]  # lane after lane, steps ascending within a lane
+
+
+def ans_decode(
+    states: torch.Tensor, lane_counts: torch.Tensor, words: torch.Tensor, tables: torch.Tensor,
+    freq: torch.Tensor, counts: list[int], what: list[str],
+) -> torch.Tensor:
+    """Inverse of ans_encode: `states`, `lane_counts` of all streams' lanes and their `words`,
+    concatenated in stream order; `tables` per symbol. Refuses streams whose lanes do not consume
+    exactly their words or do not end in the encoder's initial state."""
+    device = words.device
+    layout = _layout(counts, device)
+    n_tables = freq.shape[0]
+    # Per (table, slot) one packed entry: symbol (7 bits) | f_s << 7 | (slot - F_s) << 20. An extra
+    # last table, f = TOTAL at 0 for every slot, is the identity: cells without a symbol use it.
+    freq = torch.cat([freq, torch.zeros(1, freq.shape[1], dtype=freq.dtype, device=device)])
+    freq[-1, 0] = TOTAL
+    symbol = torch.repeat_interleave(
+        torch.arange(freq.shape[1], device=device).repeat(n_tables + 1), freq.reshape(-1),
+        output_size=(n_tables + 1) * TOTAL,
+    )  # table t's slot -> symbol, at t * TOTAL + slot
+    slot = torch.arange(TOTAL, device=device).repeat(n_tables + 1)
+    row = torch.arange(n_tables + 1, device=device).repeat_interleave(TOTAL)
+    bias = slot - (torch.cumsum(freq, 1) - freq)[row, symbol]
+    packed = symbol | (freq[row, symbol] << 7) | (bias << 20)
+    base = _grid(layout, tables * TOTAL, n_tables * TOTAL, n_tables * TOTAL)
+    ptr = torch.cumsum(lane_counts, 0) - lane_counts
+    end = ptr + lane_counts
+    # A lane reads at most one word a step: LANE_STEPS zeros past the end keep every read in bounds
+    # (a lane that reads past its words is refused below).
+    padded = torch.cat([words, words.new_zeros(LANE_STEPS + 1)])
+    x = states.clone()
+    bad_state = (states < STATE_LOW).any()
+    out = torch.zeros(layout.steps, layout.total_lanes, dtype=torch.int16, device=device)  # symbol bits kept
+    for t in range(layout.steps):
+        e = torch.index_select(packed, 0, base[t] + (x & (TOTAL - 1)))
+        xn = ((e >> 7) & 0x1FFF) * (x >> PREC) + (e >> 20)
+        take = xn < STATE_LOW
+        w = torch.index_select(padded, 0, ptr)
+        ptr += take
+        x = torch.where(take, (xn << 16) | w, xn)
+        out[t] = e
+    out = out.to(torch.int64) & 0x7F
+    bad_lane = (ptr != end) | (x != STATE_LOW) | bad_state
+    if bool(bad_lane.any()):
+        lane = int(torch.nonzero(bad_lane)[0])
+        stream = max(i for i, first in enumerate(layout.lane_first) if first <= lane and layout.widths[i])
+        raise CorruptPatchError(f"{what[stream]}: rANS lane {lane - layout.lane_first[stream]} is corrupt")
+    return out.view(-1)[layout.cell] if layout.steps else torch.zeros(0, dtype=torch.int64, device=device)
+
+
+# --- raw extra bits -----------------------------------------------------------------------------
+
+
+def _segments(nbits: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """(bit offset of each field, bits of each segment) for consecutive segments of `counts`
+    fields, each segment starting on a whole byte. One host sync."""
+    device = nbits.device
+    segment = torch.repeat_interleave(
+        torch.arange(len(counts), device=device), torch.tensor(counts, dtype=torch.int64, device=device),
+        output_size=sum(counts),
+    )
+    seg_bits = torch.zeros(len(counts), dtype=torch.int64, device=device).index_add_(0, segment, nbits)
+    bits_before = torch.cumsum(seg_bits, 0) - seg_bits
+    seg_bytes = (seg_bits + 7) // 8
+    byte_start = torch.cumsum(seg_bytes, 0) - seg_bytes
+    offset = torch.cumsum(nbits, 0) - nbits - bits_before[segment] + 8 * byte_start[segment]
+    return offset, seg_bits.tolist()
+
+
+def pack_bits(values: torch.Tensor, nbits: torch.Tensor, counts: list[int] | None = None) -> list[bytes]:
+    """The low nbits (<= 42) of each value, least significant bit first (bit p is bit p % 8 of
+    byte p // 8), zero-padded to a whole byte, for each segment of `counts` fields (default:
+    one segment of all)."""
+    counts = [nbits.numel()] if counts is None else counts
+    offset, seg_bits = _segments(nbits, counts)
+    seg_bytes = [-(-b // 8) for b in seg_bits]
+    out = torch.zeros(sum(seg_bytes) + 7, dtype=torch.int64, device=values.device)
+    shifted = (values & ((1 << nbits) - 1)) << (offset & 7)
+    for j in range(7):  # fields never overlap, so adding their bytes is OR-ing them
+        out.index_add_(0, (offset >> 3) + j, (shifted >> (8 * j)) & 0xFF)
+    data = out[: sum(seg_bytes)].to(torch.uint8).cpu().numpy().tobytes()
+    bounds = np.cumsum([0, *seg_bytes]).tolist()
+    return [data[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def unpack_bits(
+    data: list[bytes], nbits: torch.Tensor, what: list[str], counts: list[int] | None = None
+) -> torch.Tensor:
+    """Inverse of pack_bits; refuses a segment of the wrong byte count or with non-zero padding
+    bits (above the last field, in the segment's last byte)."""
+    counts = [nbits.numel()] if counts is None else counts
+    offset, seg_bits = _segments(nbits, counts)
+    for name, raw, n_bits in zip(what, data, seg_bits, strict=True):
+        if len(raw) != -(-n_bits // 8):
+            raise CorruptPatchError(f"{name}: {len(raw)} bytes of extra bits, symbols need {-(-n_bits // 8)}")
+        if n_bits % 8 and raw[-1] >> (n_bits % 8):
+            raise CorruptPatchError(f"{name}: non-zero padding bits")
+    joined = b"".join(data)
+    buf = torch.zeros(len(joined) + 7, dtype=torch.int64)
+    if joined:
+        buf[: len(joined)] = torch.frombuffer(bytearray(joined), dtype=torch.uint8)
+    buf = buf.to(nbits.device)
+    at = offset >> 3
+    window = torch.zeros_like(nbits)
+    for j in range(7):
+        window |= torch.index_select(buf, 0, at + j) << (8 * j)
+    return (window >> (offset & 7)) & ((1 << nbits) - 1)
+
+
+# --- tensor streams -----------------------------------------------------------------------------
+
+
+@dataclass
+class CtxInput:
+    """One bf16 tensor's change, as ctxans needs it: the whole base (int16 view) and the changes."""
+
+    base_bits: torch.Tensor
+    indices: torch.Tensor  # sorted flat int64
+    zigzag: torch.Tensor  # zigzag of the signed bit delta, >= 1
+
+
+@dataclass
+class _Symbols:
+    per_class: torch.Tensor  # (256,) changes per class
+    hist: torch.Tensor  # (256,) base elements per class
+    ctx: torch.Tensor  # per change (class-major order): index into the used classes
+    gap: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    value: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _symbols(item: CtxInput) -> _Symbols:
+    """Gap and value symbols of one tensor's changes in class-major order (no host sync)."""
+    order = _class_order(item.base_bits)
+    n, count = item.base_bits.numel(), item.indices.numel()
+    mask = torch.zeros(n, dtype=torch.bool, device=item.base_bits.device)
+    mask[item.indices] = True
+    s = torch.nonzero_static(torch.index_select(mask, 0, order.perm), size=count).view(-1)  # ascending
+    flat = torch.index_select(order.perm, 0, s)
+    z = item.zigzag[torch.searchsorted(item.indices, flat)]
+    cls = classes(item.base_bits[flat]).to(torch.int64)
+    rank = s - order.start[cls]
+    new_class = torch.ones_like(cls, dtype=torch.bool)
+    new_class[1:] = cls[1:] != cls[:-1]
+    prev = torch.cat([rank.new_full((1,), -1), rank[:-1]])
+    gap = torch.where(new_class, rank, rank - prev - 1)
+    per_class = _sizes(cls, 256)  # cls is non-decreasing in class-major order
+    ctx = (torch.cumsum(per_class > 0, 0) - 1)[cls]
+    return _Symbols(per_class, order.hist, ctx, gap_symbols(gap), value_symbols(z))
+
+
+def _header(values: list[torch.Tensor]) -> bytes:
+    """u32 count, then the LEB128 values (§3's rules), in numpy: a few hundred per stream, where
+    torch's per-call overhead would dominate."""
+    v = np.concatenate([t.reshape(-1).cpu().numpy().astype(np.uint64) for t in values])
+    n_bytes = np.ones(v.size, dtype=np.int64)
+    for k in range(1, 9):
+        n_bytes += v >= np.uint64(1 << (7 * k))
+    starts = np.cumsum(n_bytes) - n_bytes
+    out = np.zeros(int(n_bytes.sum()), dtype=np.uint8)
+    for k in range(int(n_bytes.max(initial=1))):
+        sel = n_bytes > k
+        group = (v[sel] >> np.uint64(7 * k)) & np.uint64(0x7F)
+        out[starts[sel] + k] = group | (n_bytes[sel] > k + 1).astype(np.uint64) << np.uint64(7)
+    return _U32.pack(v.size) + out.tobytes()
+
+
+def _varints(head: np.ndarray, count: int, what: str) -> tuple[list[int], int]:
+    """(the first `count` LEB128 values of `head`, their bytes), refusing a short header and
+    encodings that are over-long or longer than 9 bytes (§3)."""
+    ends = np.flatnonzero(head < 0x80)[:count]
+    if count == 0 or ends.size < count:
+        raise CorruptPatchError(f"{what}: header holds fewer varints than it declares")
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    lengths = ends - starts + 1
+    if lengths.max() > 9:
+        raise CorruptPatchError(f"{what}: varint longer than 9 bytes in the header")
+    if bool(((lengths > 1) & (head[ends] == 0)).any()):
+        raise CorruptPatchError(f"{what}: over-long varint (last byte 0x00) in the header")
+    values = np.zeros(count, dtype=np.uint64)
+    for k in range(int(lengths.max())):
+        sel = lengths > k
+        values[sel] |= (head[starts[sel] + k] & 0x7F).astype(np.uint64) << np.uint64(7 * k)
+    return values.tolist(), int(ends[-1]) + 1
+
+
+def _table_varints(f: torch.Tensor) -> torch.Tensor:
+    """Each row as m (1 + its last non-zero column) followed by its first m frequencies."""
+    cols = torch.arange(f.shape[1], device=f.device)
+    m = ((f > 0) * (cols + 1)).amax(1)
+    keep = torch.cat([torch.ones(f.shape[0], 1, dtype=torch.bool, device=f.device), cols < m[:, None]], 1)
+    return torch.cat([m[:, None], f], 1)[keep]
+
+
+def _value_tables(hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(value tables, table of each class) for per-class symbol counts `hist` (K, A): a class gets
+    its own table when that saves more than the table costs (~12 bits an entry, estimated),
+    the others share one pooled table (the writer's choice: any assignment decodes)."""
+    counts = hist.to(torch.float64)
+    n = counts.sum(1, keepdim=True)
+    own_bits = -(counts * torch.log2(torch.where(counts > 0, counts / n, 1))).sum(1)
+    pooled = counts.sum(0) + 0.5
+    pooled_bits = -(counts * torch.log2(pooled / pooled.sum())).sum(1)
+    entries = ((hist > 0) * torch.arange(1, hist.shape[1] + 1)).amax(1) + 1
+    own = own_bits + 12 * entries < pooled_bits
+    if not bool(own.any()):  # one table
+        return normalise(hist.sum(0, keepdim=True)), torch.zeros(hist.shape[0], dtype=torch.int64)
+    if bool(own.all()):
+        return normalise(hist), torch.arange(hist.shape[0])
+    rows = torch.cat([hist[~own].sum(0, keepdim=True), hist[own]])
+    table = torch.zeros(hist.shape[0], dtype=torch.int64)
+    table[own] = torch.arange(1, int(own.sum()) + 1)
+    return normalise(rows), table
+
+
+def encode_tensors(items: list[CtxInput]) -> list[tuple[bytes, bytes]]:
+    """(index stream, payload stream) of each tensor, coded together: one rANS pass and a fixed
+    number of host syncs for all tensors."""
+    if not items:
+        return []
+    device = items[0].base_bits.device
+    syms = [_symbols(it) for it in items]
+    per_class = torch.stack([s.per_class for s in syms]).cpu()
+    sizes_all = torch.stack([s.hist for s in syms]).cpu()
+    used = [torch.nonzero(row).view(-1) for row in per_class]
+    counts = [per_class[i][u] for i, u in enumerate(used)]
+    sizes = torch.cat([sizes_all[i][u] for i, u in enumerate(used)])
+    gap_f = list(gap_tables(torch.cat(counts).to(device), sizes.to(device)).split([u.numel() for u in used]))
+    hists = torch.cat([
+        torch.zeros(u.numel() * VALUE_ALPHABET, dtype=torch.int64, device=device).index_add_(
+            0, s.ctx * VALUE_ALPHABET + s.value[0], torch.ones_like(s.ctx))
+        for s, u in zip(syms, used, strict=True)
+    ]).cpu().split([u.numel() * VALUE_ALPHABET for u in used])
+    value_f, value_of = [], []
+    for h, u in zip(hists, used, strict=True):
+        f, table = _value_tables(h.view(u.numel(), VALUE_ALPHABET))
+        value_f.append(f)
+        value_of.append(table)
+    tables, base = [], 0
+    for f, s in zip(gap_f, syms, strict=True):
+        tables.append(s.ctx + base)
+        base += f.shape[0]
+    for f, s, table in zip(value_f, syms, value_of, strict=True):
+        tables.append(table.to(device)[s.ctx] + base)
+        base += f.shape[0]
+    value_wide = torch.zeros(base - sum(f.shape[0] for f in gap_f), GAP_ALPHABET, dtype=torch.int64)
+    value_wide[:, :VALUE_ALPHABET] = torch.cat(value_f)
+    freq = torch.cat([*gap_f, value_wide.to(device)])
+    n = len(items)
+    stream_counts = [s.ctx.numel() for s in syms] * 2
+    states, per_lane, words = ans_encode(
+        torch.cat([s.gap[0] for s in syms] + [s.value[0] for s in syms]), torch.cat(tables), freq,
+        stream_counts,
+    )
+    extras = pack_bits(torch.cat([s.gap[2] for s in syms] + [s.value[2] for s in syms]),
+                       torch.cat([s.gap[1] for s in syms] + [s.value[1] for s in syms]), stream_counts)
+    states_np = states.cpu().numpy().astype("<u4")
+    per_lane_np = per_lane.cpu().numpy()
+    words_np = words.cpu().numpy().astype("<u2")
+    lane_at = np.cumsum([0, *[lanes(c) for c in stream_counts]])
+    word_at = np.concatenate([[0], np.cumsum(per_lane_np)])
+    streams = []
+    for j in range(len(stream_counts)):
+        i = j % n
+        a, b = int(lane_at[j]), int(lane_at[j + 1])
+        lane_counts = torch.from_numpy(per_lane_np[a:b])
+        if j < n:
+            head = [torch.tensor([used[i].numel()]), used[i], counts[i], lane_counts]
+        else:
+            head = [torch.tensor([value_f[i].shape[0]]), _table_varints(value_f[i]), value_of[i], lane_counts]
+        streams.append(b"".join([
+            _header(head), states_np[a:b].tobytes(), words_np[int(word_at[a]) : int(word_at[b])].tobytes(),
+            extras[j],
+        ]))
+    return list(zip(streams[:n], streams[n:], strict=True))
+
+
+# --- decoding -----------------------------------------------------------------------------------
+
+
+class _Reader:
+    """The varint header, lane states and words of one ctxans stream, checked as it goes."""
+
+    def __init__(self, data: bytes | memoryview, what: str):
+        self.data, self.what, self.at = memoryview(data), what, 0
+        if len(self.data) < 4:
+            raise CorruptPatchError(f"{what}: shorter than its header")
+        (count,) = _U32.unpack(self.data[:4])
+        head = np.frombuffer(self.data[4 : 4 + 9 * count], dtype=np.uint8)
+        self.values, size = _varints(head, count, what)
+        self.at = 4 + size
+        self.next = 0
+
+    def ints(self, n: int) -> list[int]:
+        if self.next + n > len(self.values):
+            raise CorruptPatchError(f"{self.what}: header ends early")
+        out = self.values[self.next : self.next + n]
+        self.next += n
+        return out
+
+    def table(self, alphabet: int) -> list[int]:
+        (m,) = self.ints(1)
+        if not 1 <= m <= alphabet:
+            raise CorruptPatchError(f"{self.what}: table of {m} symbols (alphabet {alphabet})")
+        f = self.ints(m)
+        if sum(f) != TOTAL or f[-1] == 0:
+            raise CorruptPatchError(f"{self.what}: table does not sum to {TOTAL} or ends in a zero")
+        return f + [0] * (GAP_ALPHABET - m)
+
+    def body(self, width: int) -> tuple[list[int], bytes, bytes, bytes]:
+        """(lane word counts, states, words, the rest = extra bits) once the tables are read."""
+        lane_counts = self.ints(width)
+        if self.next != len(self.values):
+            raise CorruptPatchError(f"{self.what}: header holds more varints than its fields")
+        n_words = sum(lane_counts)
+        states_end = self.at + 4 * width
+        words_end = states_end + 2 * n_words
+        if len(self.data) < words_end:
+            raise CorruptPatchError(f"{self.what}: stream shorter than its lanes")
+        return (lane_counts, bytes(self.data[self.at : states_end]), bytes(self.data[states_end:words_end]),
+                bytes(self.data[words_end:]))
+
+
+@dataclass
+class CtxStreams:
+    """One entry's two ctxans streams and its base tensor (the decoder's context)."""
+
+    name: str
+    count: int
+    index: bytes | memoryview
+    payload: bytes | memoryview
+    base: torch.Tensor  # int16 view of the base bf16 tensor, flat
+
+
+@dataclass
+class _Parsed:
+    used: list[int]
+    class_counts: list[int]
+    value_tables: list[list[int]]
+    value_of: list[int]  # per used class: its value table
+    bodies: list[tuple[list[int], bytes, bytes, bytes]]  # index, payload
+
+
+def _parse(it: CtxStreams) -> _Parsed:
+    """Both streams' headers of one entry (host only), checked as far as they go without the base."""
+    if not supports("bfloat16", it.base.numel()):
+        raise TensorMismatchError(f"{it.name}: ctxans needs a bfloat16 tensor below 2**31 elements")
+    what = f"{it.name}: index stream"
+    r = _Reader(it.index, what)
+    (k,) = r.ints(1)
+    if not 1 <= k <= 256:
+        raise CorruptPatchError(f"{what}: {k} classes")
+    used, class_counts = r.ints(k), r.ints(k)
+    if any(b <= a for a, b in zip(used, used[1:], strict=False)) or used[-1] > 255:
+        raise CorruptPatchError(f"{what}: classes not strictly increasing below 256")
+    if min(class_counts) < 1 or sum(class_counts) != it.count:
+        raise CorruptPatchError(f"{what}: class counts do not sum to the entry's count")
+    index_body = r.body(lanes(it.count))
+    what = f"{it.name}: payload stream"
+    r = _Reader(it.payload, what)
+    (n_tables,) = r.ints(1)
+    if not 1 <= n_tables <= k:
+        raise CorruptPatchError(f"{what}: {n_tables} value tables for {k} classes")
+    value_tables = [r.table(VALUE_ALPHABET) for _ in range(n_tables)]
+    value_of = r.ints(k)
+    if set(value_of) != set(range(n_tables)):
+        raise CorruptPatchError(f"{what}: a class names a missing value table, or a table is unused")
+    return _Parsed(used, class_counts, value_tables, value_of, [index_body, r.body(lanes(it.count))])
+
+
+def _ints(raw: bytes, dtype: str, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(raw, dtype=dtype).astype(np.int64)).to(device)
+
+
+def decode_tensors(items: list[CtxStreams]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(sorted flat indices, zigzag deltas) of each entry, validated against its base tensor (int16
+    view); every entry's streams in one batched rANS pass, with a fixed number of host syncs."""
+    if not items:
+        return []
+    device = items[0].base.device
+    parsed = [_parse(it) for it in items]
+    orders = [_class_order(it.base) for it in items]
+    used = [torch.tensor(p.used, dtype=torch.int64, device=device) for p in parsed]
+    counts = [torch.tensor(p.class_counts, dtype=torch.int64, device=device) for p in parsed]
+    sizes = [o.hist[u] for o, u in zip(orders, used, strict=True)]
+    _refuse(items, [(c > z).any() for c, z in zip(counts, sizes, strict=True)],
+            "index stream: more changes in a class than the base has elements in it")
+    gap_f = gap_tables(torch.cat(counts), torch.cat(sizes))
+    ctx = [torch.repeat_interleave(torch.arange(c.numel(), device=device), c, output_size=it.count)
+           for c, it in zip(counts, items, strict=True)]
+    tables, base = [], 0
+    for c, k in zip(ctx, [u.numel() for u in used], strict=True):
+        tables.append(c + base)
+        base += k
+    for c, p in zip(ctx, parsed, strict=True):
+        tables.append(torch.tensor(p.value_of, dtype=torch.int64, device=device)[c] + base)
+        base += len(p.value_tables)
+    value_f = torch.tensor([t for p in parsed for t in p.value_tables], dtype=torch.int64, device=device)
+    bodies = [p.bodies[kind] for kind in (0, 1) for p in parsed]
+    states = torch.cat([_ints(b[1], "<u4", device) for b in bodies])
+    n = len(items)
+    stream_counts = [it.count for it in items] * 2
+    symbols = ans_decode(
+        states, torch.tensor([c for b in bodies for c in b[0]], dtype=torch.int64, device=device),
+        torch.cat([_ints(b[2], "<u2", device) for b in bodies]), torch.cat(tables),
+        torch.cat([gap_f, value_f]), stream_counts,
+        [f"{it.name}: {kind} stream" for kind in ("index", "payload") for it in items],
+    )
+    values = _from_symbols(symbols, [b[3] for b in bodies],
+                           [f"{it.name}: {kind} stream" for kind in ("index", "payload") for it in items],
+                           stream_counts).split(stream_counts)
+    gaps = list(values[:n])
+    zs = [v + 1 for v in values[n:]]
+    _refuse(items, [(z > 0xFFFF).any() for z in zs], "payload stream holds a delta beyond 16 bits")
+    cls = [u[c] for u, c in zip(used, ctx, strict=True)]
+    _refuse(items, [(g >= o.hist[c]).any() for g, o, c in zip(gaps, orders, cls, strict=True)],
+            "index stream gap beyond the base's class size")  # so no sum below reaches 2**63
+    ranks = [_ranks(g, c, k) for g, c, k in zip(gaps, ctx, counts, strict=True)]
+    _refuse(items, [(r >= o.hist[c]).any() for r, o, c in zip(ranks, orders, cls, strict=True)],
+            "index stream ranks beyond the base's class sizes")
+    out = []
+    for r, o, c, z in zip(ranks, orders, cls, zs, strict=True):
+        flat, at = torch.sort(torch.index_select(o.perm, 0, o.start[c] + r))
+        out.append((flat, z[at]))  # ranks rise within a class, so no element repeats
+    return out
+
+
+def _refuse(items: list[CtxStreams], bad: list[torch.Tensor], what: str) -> None:
+    """One host sync for a check of every entry; raise for the first entry that fails it."""
+    flags = torch.stack(bad).tolist()
+    if any(flags):
+        raise CorruptPatchError(f"{items[flags.index(True)].name}: {what}")
+
+
+def _ranks(gap: torch.Tensor, ctx: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rank within the class of each change: cumulative (gap + 1), restarted at each class."""
+    step = gap + 1
+    csum = torch.cumsum(step, 0)
+    return csum - (csum - step)[torch.cumsum(counts, 0) - counts][ctx] - 1
+
+
+def _bytes_tensor(raw: bytes, device: torch.device) -> torch.Tensor:
+    if not raw:
+        return torch.zeros(0, dtype=torch.uint8, device=device)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
