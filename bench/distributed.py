@@ -41,9 +41,12 @@ import torch
 
 from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
 from services.trainer.distributed import make_learner
+from services.trainer.learner import LearnerConfig
+from services.trainer.optim import OptimSettings
 from services.trainer.settings import TrainerSettings
 from shared.modeling import qwen3_config
 from shared.patch import apply_patch, extract_patch, fingerprint, read_header, save_snapshot
+from shared.ports import free_port
 from shared.schemas import KVStats, Sample, SamplingInfo, Trajectory
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -164,7 +167,7 @@ def registry_worker(enabled: bool, engine: LLMEngine, model_dir: Path) -> Iterat
     if not enabled:
         yield None
         return
-    from .registry import free_port, registry_process
+    from .registry import registry_process
 
     with tempfile.TemporaryDirectory(prefix="sparsecast-registry-") as store:
         with registry_process(free_port(), Path(store)) as url:
@@ -287,7 +290,7 @@ def main() -> None:
     settings = TrainerSettings(
         model="unused",
         device=args.device,
-        lr=args.lr,
+        optim=OptimSettings(lr=args.lr),
         micro_batch=args.micro_batch,
         ppo_updates=4,
         activation_checkpointing=args.activation_checkpointing,
@@ -304,7 +307,7 @@ def main() -> None:
         torch.distributed.barrier(group=control_group())
 
     t0 = time.perf_counter()
-    learner = make_learner(settings, model_dir, pad_id=0)
+    learner = make_learner(LearnerConfig.of(settings), model_dir, pad_id=0)
     load_seconds = time.perf_counter() - t0
     if rank != 0:
         learner.follow()  # type: ignore[attr-defined]

@@ -4,13 +4,13 @@ A registry (`python -m services.registry`, a subprocess on loopback, file store)
 weight patches: the ones `python -m bench.patch --save-patches DIR` wrote (`--patches DIR`), or a
 chain generated here from a Qwen3-shaped model (`--shape`, default "small") with Adam-like steps:
 an fp32 master moves every element by ~lr·N(0,1) per step and the bf16 copy is published, so a
-value changes only when it crosses a bf16 rounding boundary (the PULSE mechanism, REFERENCE §2).
+value changes only when it crosses a bf16 rounding boundary (the PULSE mechanism, arXiv 2602.03839).
 
 Measured:
 - transfer: the chain's objects fetched by the client (ranged requests, every piece verified)
   with 1, 4, 8 streams, uncapped and capped by the client's token bucket at 100 Mbit/s and
   1 Gbit/s: seconds, MB/s, ratio to payload ÷ bandwidth;
-- tc: the same caps enforced by the kernel on the registry's port (htb on lo, REFERENCE §8; only
+- tc: the same caps enforced by the kernel on the registry's port (htb on lo, tc-htb(8); only
   as root with a working `tc`; the qdisc is always deleted);
 - merge: merged a→b plan bytes vs chain bytes for lags 2, 4, 8;
 - sync: sync_weights (download + apply + verify) for a lagging worker and for a fresh one.
@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ import httpx
 import torch
 
 from shared.patch import apply_patch, extract_patch, load_snapshot, save_snapshot
+from shared.ports import free_port
 from shared.registry.client import RegistryClient
 from shared.registry.sync import sync_weights
 from shared.registry.wire import ObjectRef
@@ -89,12 +89,6 @@ def saved_chain(folder: Path) -> tuple[str, str, bytes, list[bytes]]:
         snapshot,
         [(folder / p).read_bytes() for p in manifest["patches"]],
     )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager

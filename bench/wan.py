@@ -3,7 +3,7 @@
 Rollout workers on shaped links, fed by the registry, versus an unthrottled run of the same setup.
 Real processes, real transfers: the registry (`python -m services.registry`) and Redis in one
 network namespace, each worker in its own, joined through a router namespace by veth pairs shaped
-with htb (bench/netns.py, ../shared/REFERENCE.md §8). A publisher in the registry's namespace
+with htb (bench/netns.py; Linux tc-htb(8)). A publisher in the registry's namespace
 PUTs one patch of the 1.7B shape per trainer step; workers learn of it from Redis and download
 it from the registry with the real client (parallel ranged streams, every piece checked by sha256).
 
@@ -27,6 +27,12 @@ waits. Reported per run: tokens/s and its ratio to the unthrottled run of the sa
 profile's ideal), staleness per batch and per version, sync times, registry egress bytes (the
 uplink's counter and the registry's own).
 
+Delay (`--rtt-ms R`, default 0): every pair of endpoints (worker ↔ registry, worker ↔ worker) is R
+apart, R / 2 on each link, the uplink's included (bench/netns.py every_pair_rtt; a userspace delay
+line over TUN devices, bench/delayline.py, since tc-netem is not available here). Every link then
+goes through the delay line, whose throughput ceiling caps the unthrottled arms (docs/results.md).
+Each run records its link rates and RTT, with the step time and the number of versions.
+
 Relay fan-out (`--relay`): 8 workers behind one shaped registry uplink fetch each version direct
 or through peers (shared/relay.py); egress per version and the time for all to reach it.
 JSON and plot: bench/results/wan-<device>.json/.png.
@@ -42,7 +48,6 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,18 +55,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.netns import Link, Net
+from bench.netns import Link, Net, every_pair_rtt
+from bench.wan_stack import GBIT, MBIT, REDIS_PORT, REGISTRY_PORT, ROOT, RUN, TOKEN, Stack, barrier
 
-ROOT = Path(__file__).resolve().parents[1]
 PROFILE_FILE = "bench/results/engine-cuda-1.7b-gen8192-h100.json"
 APPLY_FILE = "bench/results/patch-cuda-1.7b-h100.json"
-TOKEN = "wan-bench-token"
-RUN = "wan"
-REGISTRY_PORT = 8100
-REDIS_PORT = 6391
-PEER_PORT = 8300
-MBIT = 1e6
-GBIT = 1e9
 
 
 @dataclass
@@ -99,16 +97,6 @@ def apply_device() -> str:
 
 
 # --- worker (runs in its namespace) -----------------------------------------------------------
-
-
-async def barrier(cfg: dict[str, Any]) -> float:
-    """Say ready, then wait for the common start time (the orchestrator writes it once every
-    process is ready: a start under CPU load must not cost tokens)."""
-    Path(cfg["out"] + ".ready").touch()
-    go = Path(cfg["go"])
-    while not go.exists():
-        await asyncio.sleep(0.05)
-    return float(go.read_text())
 
 
 async def stream_verify(client: Any, ref: Any, streams: int) -> int:
@@ -300,58 +288,6 @@ async def run_publisher(cfg: dict[str, Any]) -> dict[str, Any]:
 # --- orchestration (root namespace) -----------------------------------------------------------
 
 
-class Stack:
-    """Redis for the whole benchmark and a fresh registry per run, in the hub namespace."""
-
-    def __init__(self, net: Net, scratch: Path) -> None:
-        self.net, self.scratch = net, scratch
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.redis = self._spawn(net.hub, ["redis-server", "--bind", Net.HUB_IP, "--port", str(REDIS_PORT),
-                                           "--save", "", "--appendonly", "no", "--protected-mode", "no"],
-                                 scratch / "redis.log")
-
-    def _spawn(
-        self, ns: str, argv: list[str], log: Path, env: dict[str, str] | None = None
-    ) -> subprocess.Popen[bytes]:
-        with open(log, "ab") as out:
-            proc = subprocess.Popen([*self.net.ns_prefix(ns), *argv], stdout=out, stderr=subprocess.STDOUT,
-                                    env={**os.environ, **(env or {})}, cwd=ROOT)
-        self.procs.append(proc)
-        return proc
-
-    def python(self, ns: str, role: str, cfg: dict[str, Any], log: Path) -> subprocess.Popen[bytes]:
-        flag = "--" + role.replace("_", "-")
-        return self._spawn(ns, [sys.executable, "-m", "bench.wan", flag, json.dumps(cfg)], log)
-
-    def registry(self, store: Path, prefix: str, log: Path) -> subprocess.Popen[bytes]:
-        env = {
-            "SPARSECAST_HOST": Net.HUB_IP,
-            "SPARSECAST_PORT": str(REGISTRY_PORT),
-            "SPARSECAST_API_TOKEN": TOKEN,
-            "SPARSECAST_STORE_URL": f"file://{store}",
-            "SPARSECAST_REDIS_URL": f"redis://{Net.HUB_IP}:{REDIS_PORT}",
-            "SPARSECAST_REDIS_PREFIX": prefix,
-            "SPARSECAST_RUN": RUN,
-            "SPARSECAST_SNAPSHOT_EVERY": "0",
-            "SPARSECAST_MAX_PUBLISH_MERGES": "0",
-        }
-        return self._spawn(self.net.hub, [sys.executable, "-m", "services.registry"], log, env)
-
-    @staticmethod
-    def stop(proc: subprocess.Popen[bytes]) -> None:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-    def close(self) -> None:
-        for proc in self.procs:
-            self.stop(proc)
-
-
 LINKS: dict[str, list[float | None]] = {
     "unthrottled": [None, None, None],
     "unthrottled-mixed": [None, None, None],
@@ -433,7 +369,8 @@ def summarize(name: str, results: list[dict[str, Any]], pub: dict[str, Any], win
 def run_one(net: Net, stack: Stack, chain: Path, scratch: Path, name: str, mode: str, sync: str, links: str,
             args: argparse.Namespace, profiles: dict[str, Profile], index: int) -> dict[str, Any]:
     rates = LINKS[links]
-    net.shape(None, [Link(r, None) for r in rates])
+    uplink, per_worker = every_pair_rtt(Link(None), [Link(r, None) for r in rates], args.rtt_ms)
+    net.shape(uplink, per_worker)
     store = scratch / f"store-{index}"
     shutil.copytree(chain / "store", store, copy_function=os.link)
     prefix = f"wan{net.tag}x{index}"
@@ -506,7 +443,9 @@ def run_one(net: Net, stack: Stack, chain: Path, scratch: Path, name: str, mode:
     results = [json.loads(o.read_text()) for o in outs]
     pub = json.loads(pub_out.read_text())
     row = summarize(name, results, pub, window, profiles)
-    row.update({"mode": mode, "sync": sync, "links": links, "link_bps": rates, "profiles": names,
+    row.update({"mode": mode, "sync": sync, "links": links, "link_bps": rates, "uplink_bps": None,
+                "rtt_ms": args.rtt_ms, "link_rtt_ms": uplink.rtt_ms, "versions": args.versions,
+                "profiles": names,
                 "window_s": round(window, 2), "step_s": round(step_s, 3),
                 "registry_egress_bytes": egress, "registry_bytes_served": pub["bytes_served"],
                 "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
@@ -522,6 +461,12 @@ MATRIX = [  # (mode, sync, links): every arm also runs unthrottled, its baseline
     ("merged", "stop", "100mbit"), ("full", "overlap", "100mbit"), ("full", "stop", "100mbit"),
     ("chain", "overlap", "mixed"), ("chain", "stop", "mixed"),
 ]
+
+
+def tune_tcp(net: Net, args: argparse.Namespace) -> dict[str, str]:
+    """--tcp-buffer-mb / --no-idle-restart in the net's namespaces; the settings for the results."""
+    return net.tune_tcp(args.tcp_buffer_mb << 20 if args.tcp_buffer_mb else None,
+                        slow_start_after_idle=not args.no_idle_restart)
 
 
 def main() -> None:
@@ -540,10 +485,24 @@ def main() -> None:
     parser.add_argument("--relay-modes", nargs="*", choices=["direct", "relay", "relay-kill"],
                         help="relay: run only these (default all)")
     parser.add_argument("--profile-worker", type=int, help="relay: cProfile this worker in the relay run")
+    parser.add_argument("--rtt-ms", type=float, default=0.0,
+                        help="round trip between every pair of endpoints, half on each link (a delay line; "
+                             "0: veth links, no delay)")
+    parser.add_argument("--tcp-buffer-mb", type=int, default=0,
+                        help="autotuning's maximum TCP buffer (tcp_wmem / tcp_rmem) in the hub's and the "
+                             "workers' namespaces, MiB (0: the namespaces' defaults)")
+    parser.add_argument("--no-idle-restart", action="store_true",
+                        help="tcp_slow_start_after_idle=0 in those namespaces: kept connections keep their "
+                             "congestion window between versions")
     parser.add_argument("--keep-raw", action="store_true", help="keep every batch and sync in the JSON")
     parser.add_argument("--resume", action="store_true", help="keep the runs already in --out, run the rest")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/wan-cpu.json")
+    parser.add_argument("--out", type=Path,
+                        help="default bench/results/wan-cpu[-rtt<R>ms][-tcp<N>mb][-noidle].json")
     args = parser.parse_args()
+    rtt_tag = f"-rtt{args.rtt_ms:g}ms" if args.rtt_ms else ""
+    rtt_tag += (f"-tcp{args.tcp_buffer_mb}mb" if args.tcp_buffer_mb else "") + (
+        "-noidle" if args.no_idle_restart else "")
+    args.out = args.out or ROOT / f"bench/results/wan-cpu{rtt_tag}.json"
     for role in ("worker", "publisher", "relay_worker"):
         if (raw := getattr(args, role)) is not None:
             from bench.wan_relay import relay_worker
@@ -585,14 +544,19 @@ def main() -> None:
         "profiles": {k: {**asdict(p), "tokens_per_s": round(p.tokens_per_s, 1)} for k, p in profiles.items()},
         "apply_s": round(args.apply_s, 4), "apply_source": f"{APPLY_FILE} ({apply_device()}), timed",
         "chain": json.loads((chain / "chain.json").read_text()), "gen": args.gen, "versions": args.versions,
+        "rtt_ms": args.rtt_ms, "rtt": "between every pair of endpoints, half on each link (bench/netns.py)",
         "runs": rows, "complete": False,
     }
     scratch = Path(tempfile.mkdtemp(prefix="wan-"))
     out: Path = args.out
     if args.resume and out.exists():
-        rows.extend(json.loads(out.read_text())["runs"])
+        kept = json.loads(out.read_text())
+        if kept.get("rtt_ms", 0.0) != args.rtt_ms:
+            sys.exit(f"--resume: {out} was measured at RTT {kept.get('rtt_ms', 0.0)} ms, not {args.rtt_ms}")
+        rows.extend(kept["runs"])
     done = {r["name"] for r in rows}
     with Net(3) as net:
+        result["tcp"] = tune_tcp(net, args)
         stack = Stack(net, scratch)
         try:
             for index, (mode, sync, links) in enumerate([*baselines, *arms]):
@@ -604,6 +568,7 @@ def main() -> None:
                 out.write_text(json.dumps(result, indent=1))
         finally:
             stack.close()
+    result["delay_line"] = net.mover_stats or None  # the mover's counters (late_ms_max: its worst lateness)
     result["complete"] = True
     finish(result, rows)
     out.write_text(json.dumps(result, indent=1))
@@ -691,7 +656,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax2.set_xscale("log")
     ax2.set_xlabel("sync (download) seconds per version, all workers")
     ax2.invert_yaxis()
-    fig.suptitle(f"1.7B shape, {result['generation']}; {result['host']}", fontsize=9)
+    step = rows[0]["step_s"]
+    rtt = result.get("rtt_ms", 0.0)
+    fig.suptitle(f"1.7B shape, {result['versions']} versions, step {step:.2f} s, RTT {rtt:g} ms (every "
+                 f"pair), link rates per arm; {result['generation']}; {result['host']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

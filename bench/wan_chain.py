@@ -4,7 +4,7 @@ Training a 1.7B model on 2 CPU cores is out of reach, so the chain is synthetic 
 rate: step k moves bf16 elements by one unit in the last place, `flip_scale` times the changed
 fraction that `bench.patch --shape 1.7b --device cuda` measured for its step k (bench/results/
 patch-cuda-1.7b-h200.json). A one-ulp move is what a sub-ulp Adam step does to a bf16 copy (the
-PULSE mechanism, REFERENCE §2); one-ulp deltas code a little smaller than real ones, so the
+PULSE mechanism, arXiv 2602.03839); one-ulp deltas code a little smaller than real ones, so the
 default scale (1.15) brings the patch bytes to the measured ones, which are written beside them.
 Every patch is a real container (extract_patch), verified on publish.
 

@@ -1,17 +1,19 @@
 """Relay fan-out on shaped links: `python -m bench.wan --relay [--relay-link 100mbit]` (root).
 
 8 workers, each on a link of `--relay-link` (1 Gbit/s or 100 Mbit/s, both ways), behind one
-registry uplink of the same rate (bench/netns.py). The publisher PUTs one patch of the 1.7B-shape
-chain (bench/wan_chain.py) per round, once every worker holds the previous one; each worker
-downloads it as soon as Redis announces it, every piece verified by sha256: `direct` from the
-registry, or `relay` (shared.relay: peers first, the registry for the rest). Measured per version:
-registry egress (uplink counter and the registry's bytes served) in patches, the time until all 8
-hold it, and the CPU the workers spent (per process, and the host's busy cores: on a small host
-eight workers hashing and serving may be CPU-bound rather than link-bound). A third run,
-`relay-kill`, kills the worker that fetches from the registry (the head of the pipeline every
-other worker relays from) a quarter of the way into the first version. Workers download and
-verify only: applying a patch is GPU work, not measured here. `--profile-worker I` writes a
-cProfile of worker I's relay run (its top functions go into the JSON).
+registry uplink of the same rate (bench/netns.py), `--rtt-ms R` apart (every pair, worker ↔ worker
+and worker ↔ registry: R / 2 on each link, a delay line; default 0, no delay). The publisher PUTs
+one patch of the 1.7B-shape chain (bench/wan_chain.py) per round, once every worker holds the
+previous one; each worker downloads it as soon as Redis announces it, every piece verified by
+sha256: `direct` from the registry, or `relay` (shared.relay: peers first, the registry for the
+rest). Measured per version: registry egress (uplink counter and the registry's bytes served) in
+patches, the time until all 8 hold it, and the CPU the workers spent (per process, and the host's
+busy cores: on a small host eight workers hashing and serving may be CPU-bound rather than
+link-bound). A third run, `relay-kill`, kills the worker that fetches from the registry (the head
+of the pipeline every other worker relays from) a quarter of the way into the first version.
+Workers download and verify only: applying a patch is GPU work, not measured here.
+`--profile-worker I` writes a cProfile of worker I's relay run (its top functions go into the
+JSON).
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.netns import Link, Net
-from bench.wan import GBIT, MBIT, PEER_PORT, REDIS_PORT, REGISTRY_PORT, ROOT, RUN, TOKEN, Stack, barrier
+from bench.netns import Link, Net, every_pair_rtt
+from bench.wan_stack import GBIT, MBIT, PEER_PORT, REDIS_PORT, REGISTRY_PORT, ROOT, RUN, TOKEN, Stack, barrier
 
 WORKERS = 8
 RATES = {"1gbit": GBIT, "100mbit": 100 * MBIT}
@@ -74,16 +76,19 @@ async def _relay_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     import uvicorn
 
     from shared.registry.client import RegistryClient
-    from shared.relay import Holdings, Relay, relay_app
+    from shared.relay import PEER_KEEP_ALIVE_S, Holdings, Relay, peer_listener, relay_app
 
     client = RegistryClient(cfg["url"], RUN, token=TOKEN, streams=4, redis_url=cfg["redis_url"],
                             redis_prefix=cfg["redis_prefix"], backoff_s=0.1)
     server, relay = None, None
     if cfg["relay"]:
         holdings = Holdings(keep=2)  # this version's patch and the last: ~150 MB per worker here
-        config = uvicorn.Config(relay_app(holdings), host=cfg["ip"], port=PEER_PORT, log_level="warning")
+        # Kept-alive connections between versions, and socket buffers wider than autotuning's
+        # where net.core.wmem_max / rmem_max allow (shared.relay.socket_buffers).
+        config = uvicorn.Config(relay_app(holdings), log_level="warning",
+                                timeout_keep_alive=PEER_KEEP_ALIVE_S)
         server = uvicorn.Server(config)
-        serving = asyncio.create_task(server.serve())
+        serving = asyncio.create_task(server.serve(sockets=[peer_listener(cfg["ip"], PEER_PORT)]))
         relay = Relay(f"w{cfg['index']}", f"http://{cfg['ip']}:{PEER_PORT}", holdings)
         client.downloader.relay = relay
     while True:
@@ -309,11 +314,15 @@ def main(args: argparse.Namespace) -> None:
         "bench": "wan-relay", "command": " ".join(["python -m bench.wan", *sys.argv[1:]]),
         "host": f"{os.cpu_count()} CPU cores, no GPU (download and verify only)",
         "load_avg_at_start": [round(x, 2) for x in os.getloadavg()], "workers": WORKERS,
-        "uplink_bps": rate, "worker_link_bps": rate, "chain": info, "modes": [],
+        "uplink_bps": rate, "worker_link_bps": rate, "rtt_ms": args.rtt_ms, "link_rtt_ms": args.rtt_ms / 2,
+        "versions": versions, "chain": info, "modes": [],
     }
     modes = args.relay_modes or MODES
     with Net(WORKERS) as net:
-        net.shape(rate, [Link(rate, rate)] * WORKERS)
+        uplink, links = every_pair_rtt(Link(rate), [Link(rate, rate)] * WORKERS, args.rtt_ms)
+        net.shape(uplink, links)
+        result["tcp"] = net.tune_tcp(args.tcp_buffer_mb << 20 if args.tcp_buffer_mb else None,
+                                     slow_start_after_idle=not args.no_idle_restart)
         stack = Stack(net, scratch)
         try:
             for name in modes:
@@ -321,6 +330,7 @@ def main(args: argparse.Namespace) -> None:
                                                 else versions, rate, args.profile_worker))
         finally:
             stack.close()
+    result["delay_line"] = net.mover_stats or None
     result["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     by = {m["mode"]: m for m in result["modes"]}
     result["cpu"] = {name: cpu_per_byte(m) for name, m in by.items() if name != "relay-kill"}

@@ -28,6 +28,7 @@ _REASONS = {
     400: "Bad request",
     401: "Missing or wrong bearer token",
     404: "Not found",
+    408: "The request body did not arrive in time",
     409: "Conflict with the current state",
     413: "Body or field too large",
     415: "Unsupported content type",
@@ -35,6 +36,7 @@ _REASONS = {
     422: "Invalid input",
     429: "Queue full",
     503: "Not ready yet",
+    507: "Storage full: retry later (Retry-After)",
 }
 
 

@@ -18,7 +18,10 @@ once per worker. With a Relay on its client (`client.downloader.relay = Relay(..
    by its sha256 from the registry's plan as it lands, exactly as a piece from the registry. A
    peer that is slow (no byte within `piece_timeout_s`), dies, refuses (does not hold the object:
    behind on versions), stops early or lies (wrong bytes) is dropped for that object; the rest
-   comes from the next peer listed, then from the registry.
+   comes from the next peer listed, then from the registry. Connections to peers are kept open
+   between requests (HTTP/1.1 keep-alive, up to `idle_connections` idle per peer), so the next
+   version's stream does not pay a new TCP handshake; one the peer closed while idle is replaced,
+   and a request that meets a connection closed just as it went out is sent once more on a new one.
 
 Weights still change only after every byte is verified against the registry's hashes, so a peer
 can cost time, never correctness. Peers serve anonymously: they hand out only what a plan from
@@ -30,12 +33,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import socket
 import ssl
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, cast
-from urllib.parse import quote, urlencode, urlsplit
+from urllib.parse import SplitResult, quote, urlencode, urlsplit
 
 import httpx
 from pydantic import BaseModel, Field
@@ -187,12 +191,13 @@ def _runs(done: list[bool]) -> list[tuple[int, int]]:
     return runs
 
 
-class _PieceReader(asyncio.BufferedProtocol):
+class _PieceReader:
     """Reads one answer of a peer's relay endpoint (HTTP/1.1, chunked or with a length) straight
     into a download's buffer: the kernel copies body bytes to where they belong, with no
     intermediate buffers and no per-read parsing in Python beyond the framing lines (an HTTP
     client library copied every 64 KiB through three buffers, the largest CPU cost of relaying
-    on a small host)."""
+    on a small host). The `_PeerConnection` carrying the answer hands it its bytes; `reusable`
+    says whether that connection may carry the next request once the answer is done."""
 
     def __init__(self, download: _Download, start: int, end: int, on_bytes: Any) -> None:
         self.download, self.offset, self.end, self.on_bytes = download, start, end, on_bytes
@@ -201,12 +206,25 @@ class _PieceReader(asyncio.BufferedProtocol):
         self.state = "head"  # head → size → data → crlf → size ... → done
         self.left = 0  # bytes of the current chunk (or of a whole length-framed body) to come
         self.chunked = False
+        self.keep_alive = False  # HTTP/1.1: unless the peer answers "Connection: close"
         self.status = 0
+        self.reusable = False  # the answer ended cleanly and the peer keeps the connection open
+        self.received = 0  # bytes of this answer so far (none: a kept connection may be stale)
         self.last = 0.0  # loop time of the last bytes
         loop = asyncio.get_running_loop()
         self.headers: asyncio.Future[None] = loop.create_future()
         self.finished: asyncio.Future[None] = loop.create_future()
         self.transport: asyncio.BaseTransport | None = None
+
+    def restart(self) -> None:
+        """Ready for the same request again on another connection (only before any byte came)."""
+        for future in (self.headers, self.finished):
+            if future.done() and not future.cancelled():
+                future.exception()  # reported: the request is being retried
+        loop = asyncio.get_running_loop()
+        self.headers, self.finished = loop.create_future(), loop.create_future()
+        self.state, self.status, self.transport = "head", 0, None
+        self.pending.clear()
 
     def _fail(self, reason: str) -> None:
         for future in (self.headers, self.finished):
@@ -215,7 +233,7 @@ class _PieceReader(asyncio.BufferedProtocol):
         if self.transport is not None:
             self.transport.close()
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+    def start(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
         self.last = asyncio.get_running_loop().time()
 
@@ -230,6 +248,7 @@ class _PieceReader(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.last = asyncio.get_running_loop().time()
+        self.received += nbytes
         if self.state == "data" and not self.pending:
             self._body(nbytes)
         else:
@@ -238,9 +257,6 @@ class _PieceReader(asyncio.BufferedProtocol):
             self._parse()
         except (ValueError, IndexError):
             self._fail("bad answer")
-
-    def eof_received(self) -> bool:
-        return False  # close: the answer ends where the peer stopped
 
     def _body(self, n: int) -> None:
         self.offset += n
@@ -251,11 +267,12 @@ class _PieceReader(asyncio.BufferedProtocol):
             if self.state == "done":
                 self._done()
 
-    def _done(self) -> None:
+    def _done(self, reusable: bool = False) -> None:
         self.state = "done"
+        self.reusable = reusable and not self.pending  # no bytes beyond the answer
         if not self.finished.done():
             self.finished.set_result(None)
-        if self.transport is not None:
+        if not self.reusable and self.transport is not None:
             self.transport.close()
 
     def _start_data(self, size: int) -> None:
@@ -271,6 +288,16 @@ class _PieceReader(asyncio.BufferedProtocol):
 
     def _parse(self) -> None:
         while self.pending and self.state not in ("data", "done"):
+            if self.state == "trailer":  # after the last chunk: trailer lines up to an empty one
+                at = self.pending.find(b"\r\n")
+                if at < 0:
+                    return
+                empty = at == 0
+                del self.pending[: at + 2]
+                if empty:
+                    self._done(self.keep_alive)
+                    return
+                continue
             if self.state == "head":
                 at = self.pending.find(b"\r\n\r\n")
                 if at < 0:
@@ -281,9 +308,10 @@ class _PieceReader(asyncio.BufferedProtocol):
                 del self.pending[: at + 4]
                 self.status = int(lines[0].split()[1])
                 fields = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+                self.keep_alive = "close" not in fields.get("connection", "").lower()
                 self.headers.set_result(None)
                 if self.status != 200:
-                    self._done()
+                    self._done()  # its body is not read: the connection is not reused
                     return
                 self.chunked = fields.get("transfer-encoding", "").lower() == "chunked"
                 if self.chunked:
@@ -300,10 +328,126 @@ class _PieceReader(asyncio.BufferedProtocol):
                     self.state = "size"
                     continue
                 size = int(line.split(b";")[0], 16)
-                if size == 0:
-                    self._done()  # the last chunk (a peer's stream may end before `last`)
-                    return
+                if size == 0:  # the last chunk (a peer's stream may end before `last`)
+                    self.state = "trailer"
+                    continue
                 self._start_data(size)
+
+
+# --- socket windows -----------------------------------------------------------------------------
+
+SOCKET_BUFFER_BYTES = 32 << 20  # a window for 1 Gbit/s at up to ~250 ms round trip
+PEER_KEEP_ALIVE_S = 300  # how long a peer's server keeps an idle relay connection (uvicorn's is 5 s)
+
+
+@dataclass(frozen=True)
+class KernelLimits:
+    """The kernel's socket buffer limits in bytes: what SO_SNDBUF / SO_RCVBUF may be set to
+    (net.core.wmem_max / rmem_max) and where TCP's own autotuning stops (the last field of
+    net.ipv4.tcp_wmem / tcp_rmem)."""
+
+    wmem_max: int
+    rmem_max: int
+    tcp_wmem_max: int
+    tcp_rmem_max: int
+
+
+def _proc_int(name: str, default: int) -> int:
+    try:
+        with open(f"/proc/sys/{name.replace('.', '/')}") as file:
+            return int(file.read().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
+def kernel_limits() -> KernelLimits:
+    return KernelLimits(_proc_int("net.core.wmem_max", 212992), _proc_int("net.core.rmem_max", 212992),
+                        _proc_int("net.ipv4.tcp_wmem", 4 << 20), _proc_int("net.ipv4.tcp_rmem", 6 << 20))
+
+
+def socket_buffers(want: int, limits: KernelLimits | None = None) -> dict[int, int]:
+    """SO_SNDBUF / SO_RCVBUF values for a window of `want` bytes, set only where they raise what
+    autotuning reaches: a value set turns autotuning off for that socket and is cut to
+    net.core.*mem_max, so with the kernel's defaults (212992) setting one would shrink the window.
+    One stream carries at most window ÷ RTT, and about half an autotuned buffer is window: 4 MiB
+    (tcp_wmem's default) gives ~170 Mbit/s at 100 ms. A value set is doubled by the kernel for its
+    bookkeeping, so `want` is about the window itself."""
+    limits = limits or kernel_limits()
+    chosen: dict[int, int] = {}
+    for option, core_max, auto_max in ((socket.SO_SNDBUF, limits.wmem_max, limits.tcp_wmem_max),
+                                       (socket.SO_RCVBUF, limits.rmem_max, limits.tcp_rmem_max)):
+        size = min(want, core_max)
+        if size > auto_max:
+            chosen[option] = size
+    return chosen
+
+
+def apply_socket_buffers(sock: socket.socket, want: int) -> dict[int, int]:
+    """Set socket_buffers(want) on `sock` (before it connects or listens: the receive window's
+    scale is fixed by the handshake); returns what was set."""
+    chosen = socket_buffers(want)
+    for option, size in chosen.items():
+        sock.setsockopt(socket.SOL_SOCKET, option, size)
+    return chosen
+
+
+def peer_listener(host: str, port: int, buffer_bytes: int = SOCKET_BUFFER_BYTES) -> socket.socket:
+    """A listening socket for a worker's relay server (`uvicorn.Server(config).serve(sockets=[it])`)
+    with socket_buffers set: the connections it accepts inherit them."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        apply_socket_buffers(sock, buffer_bytes)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+class _PeerConnection(asyncio.BufferedProtocol):
+    """One TCP connection to a peer, kept open between requests (HTTP/1.1 keep-alive) so that a
+    new version's stream starts on a connection whose handshake is long done: each answer is read
+    by the `_PieceReader` set as `reader` while it comes in."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.BaseTransport | None = None
+        self.reader: _PieceReader | None = None
+        self.closed = False
+        self.requests = 0
+        self._spare = bytearray(1024)
+
+    @property
+    def usable(self) -> bool:
+        return not self.closed and self.transport is not None and not self.transport.is_closing()
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.reader is not None:
+            self.reader.connection_lost(exc)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.reader.get_buffer(sizehint) if self.reader is not None else memoryview(self._spare)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.reader is not None and self.reader.state != "done":
+            self.reader.buffer_updated(nbytes)
+        else:  # bytes while no request is out: not a connection to trust again
+            self.close()
+
+    def eof_received(self) -> bool:
+        return False  # close: an answer under way ends where the peer stopped
 
 
 class Relay:
@@ -316,6 +460,8 @@ class Relay:
         holdings: Holdings | None = None,
         *,
         piece_timeout_s: float = 10.0,
+        idle_connections: int = 4,
+        socket_buffer_bytes: int = SOCKET_BUFFER_BYTES,
     ) -> None:
         if not WORKER_ID.fullmatch(worker_id):
             raise ValueError(f"bad worker id {worker_id!r}")
@@ -323,10 +469,34 @@ class Relay:
         self.url = url.rstrip("/")
         self.holdings = holdings or Holdings()
         self.piece_timeout_s = piece_timeout_s
+        self.idle_connections = idle_connections  # kept open per peer between requests
+        self.socket_buffer_bytes = socket_buffer_bytes  # window wanted on peer connections (0: kernel's)
         self.stats = RelayStats()
+        self.connections_opened = 0
+        self._idle: dict[str, list[_PeerConnection]] = {}  # peer (scheme://host:port) → open, unused
 
     async def aclose(self) -> None:
-        """Nothing to release: each peer stream has its own connection, closed when it ends."""
+        """Close the connections kept open to peers."""
+        for idle in self._idle.values():
+            for connection in idle:
+                connection.close()
+        self._idle.clear()
+
+    def _take_idle(self, peer: str) -> _PeerConnection | None:
+        idle = self._idle.get(peer, [])
+        while idle:
+            connection = idle.pop()
+            if connection.usable:
+                return connection
+        return None
+
+    def _give_back(self, peer: str, connection: _PeerConnection) -> None:
+        idle = self._idle.setdefault(peer, [])
+        if connection.usable and len(idle) < self.idle_connections:
+            connection.reader = None
+            idle.append(connection)
+        else:
+            connection.close()
 
     async def announce(self, downloader: Downloader) -> dict[str, list[str]]:
         """Tell the registry what this worker holds; returns peers to try per object."""
@@ -406,8 +576,10 @@ class Relay:
 
         reader = _PieceReader(download, start, end, on_bytes)
         failure: str | None = None
+        connection: _PeerConnection | None = None
         try:
-            await self._request(peer, downloader.transport.run, download.ref.key, first, last, reader)
+            connection = await self._request(peer, downloader.transport.run, download.ref.key, first,
+                                             last, reader)
             if reader.status != 200:
                 raise PeerFailed(f"answered {reader.status}")
             loop = asyncio.get_running_loop()
@@ -422,8 +594,11 @@ class Relay:
         except PeerFailed as exc:
             failure = exc.reason
         finally:
-            if reader.transport is not None:
-                reader.transport.close()
+            if connection is not None:  # kept for the next request if the answer ended cleanly
+                if reader.state == "done" and reader.reusable:
+                    self._give_back(_origin(peer), connection)
+                else:
+                    connection.close()
             for future in (reader.headers, reader.finished):  # failures are reported once, here
                 if future.done() and not future.cancelled():
                     future.exception()
@@ -437,24 +612,62 @@ class Relay:
             raise PeerFailed(failure)
 
     async def _request(self, peer: str, run: str, key: str, first: int, last: int,
-                       reader: _PieceReader) -> None:
-        """Connect to the peer, ask for the pieces, and wait for the answer's headers."""
+                       reader: _PieceReader) -> _PeerConnection:
+        """Ask the peer for the pieces on a kept connection (a new one if none is open) and wait
+        for the answer's headers. A kept connection the peer closed meanwhile (its idle timeout)
+        fails before any byte of the answer: the request then goes once more, on a new one."""
         url = urlsplit(peer)
+        query = urlencode({"key": key, "first": first, "last": last})
+        path = f"{url.path.rstrip('/')}/v1/relay/{quote(run, safe='')}/pieces?{query}"
+        request = f"GET {path} HTTP/1.1\r\nHost: {url.netloc}\r\n\r\n".encode("latin-1")
+        while True:
+            connection = self._take_idle(_origin(peer))
+            kept = connection is not None
+            if connection is None:
+                connection = await self._connect(url)
+            connection.reader, connection.requests = reader, connection.requests + 1
+            reader.start(cast(asyncio.BaseTransport, connection.transport))
+            transport = cast(asyncio.Transport, connection.transport)  # uvloop's is not a subclass
+            transport.write(request)
+            try:
+                async with asyncio.timeout(self.piece_timeout_s):
+                    await reader.headers
+                return connection
+            except TimeoutError as exc:
+                connection.close()
+                raise PeerFailed("slow") from exc
+            except PeerFailed:
+                if not (kept and reader.received == 0):
+                    connection.close()
+                    raise
+                connection.reader = None  # stale: closed by the peer while idle here
+                connection.close()
+                reader.restart()
+
+    async def _connect(self, url: SplitResult) -> _PeerConnection:
         port = url.port or (443 if url.scheme == "https" else 80)
         context = ssl.create_default_context() if url.scheme == "https" else None
         loop = asyncio.get_running_loop()
+        host = url.hostname or ""
+        sock: socket.socket | None = None
         try:
             async with asyncio.timeout(min(2.0, self.piece_timeout_s)):
-                await loop.create_connection(lambda: reader, url.hostname or "", port, ssl=context)
-        except (OSError, TimeoutError) as exc:
+                found = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                family, kind, proto, _, address = found[0]
+                sock = socket.socket(family, kind, proto)
+                sock.setblocking(False)
+                apply_socket_buffers(sock, self.socket_buffer_bytes)  # before the handshake
+                await loop.sock_connect(sock, address)
+                _, connection = await loop.create_connection(
+                    _PeerConnection, sock=sock, ssl=context, server_hostname=host if context else None)
+        except (OSError, TimeoutError, IndexError) as exc:
+            if sock is not None:
+                sock.close()
             raise PeerFailed("unreachable: ConnectError") from exc
-        query = urlencode({"key": key, "first": first, "last": last})
-        path = f"{url.path.rstrip('/')}/v1/relay/{quote(run, safe='')}/pieces?{query}"
-        transport = cast(asyncio.Transport, reader.transport)  # uvloop's is not a subclass of it
-        transport.write(f"GET {path} HTTP/1.1\r\nHost: {url.netloc}\r\nConnection: close\r\n\r\n"
-                               .encode("latin-1"))
-        try:
-            async with asyncio.timeout(self.piece_timeout_s):
-                await reader.headers
-        except TimeoutError as exc:
-            raise PeerFailed("slow") from exc
+        self.connections_opened += 1
+        return connection
+
+
+def _origin(peer: str) -> str:
+    url = urlsplit(peer)
+    return f"{url.scheme}://{url.netloc}"

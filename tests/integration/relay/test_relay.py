@@ -13,11 +13,12 @@ import pytest
 
 from services.registry.app import create_app
 from services.registry.settings import RegistrySettings
+from shared.ports import free_port
 from shared.registry.client import RegistryClient
 from shared.registry.download import _Download
 from shared.registry.sync import sync_weights
 from shared.relay import Holdings, Relay, relay_app
-from tests.conftest import free_port, serve_app
+from tests.conftest import serve_app
 from tests.integration.registry_helpers import TOKEN, Chain, clone, make_chain, same
 
 RUN = "relay"
@@ -271,3 +272,110 @@ async def test_a_peer_dying_or_stalling_mid_stream_costs_only_the_rest(
             for gone in (name, f"after-{name}"):
                 left = await http.delete(f"{url}/v1/runs/{RUN}/peers/{gone}", headers=AUTH)
                 assert left.status_code == 200
+
+
+class Connections:
+    """An ASGI app seen through: the client address of every request (one per TCP connection)."""
+
+    def __init__(self, app: object) -> None:
+        self.app, self.clients = app, []  # type: list[tuple[str, int]]
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        if scope["type"] == "http":
+            self.clients.append(tuple(scope["client"]))
+        await self.app(scope, receive, send)  # type: ignore[operator]
+
+
+async def test_successive_fetches_from_a_peer_share_one_kept_connection(
+    url: str, chain: Chain, peers: ExitStack
+) -> None:
+    """A new version's stream goes over the connection the last one used (no new handshake, no
+    new slow start); one the peer closed while idle is replaced by a new one, transparently."""
+    holdings = Holdings()
+    seen = Connections(relay_app(holdings, wait_s=0.5))
+    a_url = peers.enter_context(serve_app(seen, timeout_keep_alive=0.8))
+    async with RegistryClient(url, RUN, token=TOKEN, streams=3) as a:
+        a.downloader.relay = Relay("keep-a", a_url, holdings)
+        state = clone(chain.states[0])
+        for v in (1, 2, 3):
+            await sync_weights(a, state, v - 1, target=v)
+        await a.downloader.relay.aclose()
+    async with worker(url, "keep-b", peers) as b:
+        relay = b.downloader.relay
+        state = clone(chain.states[0])
+        for v in (1, 2):
+            await sync_weights(b, state, v - 1, target=v)
+        assert same(state, chain.states[2]) and relay.stats.dropped == {}
+        assert len(seen.clients) == 2 and len(set(seen.clients)) == 1  # two objects, one connection
+        assert relay.connections_opened == 1
+        await asyncio.sleep(1.5)  # the peer closes the idle connection (its keep-alive timeout)
+        await sync_weights(b, state, 2, target=3)
+        assert same(state, chain.states[3]) and relay.stats.dropped == {}
+        assert relay.stats.registry_pieces == 0 and len(set(seen.clients)) == 2
+        assert relay.connections_opened == 2
+
+
+async def test_a_kept_connection_the_peer_drops_at_the_next_request_is_retried_once(
+    url: str, chain: Chain, peers: ExitStack
+) -> None:
+    """The race a kept connection has: the peer closes it just as the next request goes out (no
+    byte of an answer came). The request goes once more on a new connection, not to the next peer."""
+    async with worker(url, "race-a", peers) as a:
+        plan = await a.plan(0, 1)
+    piece = plan.steps[0].object.piece_bytes
+    data = {"patches/0-1.patch": chain.patches[1], "patches/1-2.patch": chain.patches[2]}
+    requests: list[int] = []  # per request: its connection's number
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        number, asked = len(set(requests)), 0
+        while head := await reader.readuntil(b"\r\n\r\n"):
+            asked += 1
+            if asked == 2:  # the second request on a connection: dropped unanswered
+                writer.close()
+                return
+            requests.append(number)
+            query = dict(p.split("=") for p in head.split(b" ")[1].decode().split("?")[1].split("&"))
+            whole = data[query["key"].replace("%2F", "/")]
+            body = whole[int(query["first"]) * piece : int(query["last"]) * piece]
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+            await writer.drain()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    raw_url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    await announce(url, "raw", raw_url, list(data))
+    try:
+        async with worker(url, "race-b", peers) as b:
+            relay = b.downloader.relay
+            state = clone(chain.states[0])
+            for v in (1, 2):
+                await sync_weights(b, state, v - 1, target=v)
+            assert same(state, chain.states[2]) and relay.stats.dropped == {}
+            assert relay.stats.registry_pieces == 0 and requests == [0, 1]
+            assert relay.connections_opened == 2
+    finally:
+        server.close()
+
+
+async def test_peer_connections_get_the_wider_socket_buffers(
+    url: str, chain: Chain, peers: ExitStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SO_SNDBUF / SO_RCVBUF are set on the relay's own sockets before they connect (the receive
+    window's scale is agreed in the handshake), where they widen the kernel's autotuning."""
+    import socket
+
+    from shared import relay as relay_module
+    from shared.relay import KernelLimits, socket_buffers
+
+    real = relay_module.kernel_limits()
+    monkeypatch.setattr(relay_module, "kernel_limits",
+                        lambda: KernelLimits(real.wmem_max, real.rmem_max, 0, 0))
+    async with worker(url, "wide-a", peers) as a:
+        await sync_weights(a, clone(chain.states[0]), 0, target=1)
+    async with worker(url, "wide-b", peers, socket_buffer_bytes=1 << 20) as b:
+        await sync_weights(b, clone(chain.states[0]), 0, target=1)
+        relay = b.downloader.relay
+        assert relay.stats.peer_pieces > 0 and relay.connections_opened == 1
+        (kept,) = [c for idle in relay._idle.values() for c in idle]
+        sock = kept.transport.get_extra_info("socket")
+        for option, size in socket_buffers(1 << 20).items():
+            assert sock.getsockopt(socket.SOL_SOCKET, option) >= size  # the kernel reports twice it
