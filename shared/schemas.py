@@ -29,12 +29,15 @@ def _encodable(text: str) -> str:
 Text = Annotated[str, AfterValidator(_encodable)]
 
 
+MAX_GROUP_ID_CHARS = 256
+
+
 class PromptGroup(BaseModel):
     """One prompt to be sampled `samples` times (a GRPO group)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    id: str = Field(min_length=1, max_length=256)
+    id: str = Field(min_length=1, max_length=MAX_GROUP_ID_CHARS)
     task: str = Field(min_length=1)
     prompt: str
     answer: str | None = None
@@ -102,6 +105,9 @@ class Trajectory(BaseModel):
     samples: list[Sample]
     sampling: SamplingInfo | None = None  # None: an older worker that did not say (the trainer refuses it)
     created_at: float = Field(default_factory=time.time)
+    # HMAC-SHA256 (hex) by the worker credential over everything else (shared.signing); None: an
+    # unsigned trajectory, refused by a trainer that has a worker token.
+    signature: str | None = Field(default=None, max_length=128)
 
 
 class WorkerInfo(BaseModel):
@@ -121,6 +127,8 @@ class WorkerInfo(BaseModel):
     url: str | None = None
     # How it samples (the trainer flags a worker whose sampling it would refuse, shared.agreement).
     sampling: SamplingInfo | None = None
+    # It signs its trajectories with a worker token (shared.signing); False also for older workers.
+    signs: bool = False
     updated_at: float = Field(default_factory=time.time)
 
 

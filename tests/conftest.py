@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 import uuid
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from shared.ports import free_port
 from tests.paths import REPO_ROOT
 
 # Tests run beside other work on small machines: keep torch from oversubscribing the cores.
@@ -29,19 +29,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextmanager
-def serve_app(app, port: int | None = None) -> Iterator[str]:
-    """Run an ASGI app under a real uvicorn server on loopback in a thread; yield its base URL."""
+def serve_app(app, port: int | None = None, **options) -> Iterator[str]:
+    """Run an ASGI app under a real uvicorn server on loopback in a thread; yield its base URL
+    (`options`: more uvicorn.Config settings)."""
     import uvicorn
 
     port = port or free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", **options)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -109,11 +104,23 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
 
 
+def _warmstart_cache() -> Path:
+    return Path(os.environ.get("SPARSECAST_WARMSTART_CACHE", REPO_ROOT / ".cache" / "warmstart"))
+
+
 @pytest.fixture(scope="session")
 def warmstart_dir() -> Path:
-    """The demo's warm-start model, built once per checkout (a few minutes on 2 cores) and cached."""
+    """The demo's warm-start model (eviction-aware SFT, ~7 minutes on 2 cores), built once per
+    checkout and cached: for `make test-slow`, which checks what the demo does with it."""
     from services.trainer.warmstart import ensure_warmstart_model
 
-    return ensure_warmstart_model(
-        Path(os.environ.get("SPARSECAST_WARMSTART_CACHE", REPO_ROOT / ".cache" / "warmstart"))
-    )
+    return ensure_warmstart_model(_warmstart_cache())
+
+
+@pytest.fixture(scope="session")
+def partial_model_dir() -> Path:
+    """A partly trained model of the demo's shape for the default suite: the warm-start recipe
+    with dense SFT (~1.5 minutes on 2 cores instead of ~7), built once per checkout and cached."""
+    from services.trainer.warmstart import WarmstartRecipe, ensure_warmstart_model
+
+    return ensure_warmstart_model(_warmstart_cache(), WarmstartRecipe(evict_share=0.0))
