@@ -1,6 +1,6 @@
 """Sparse-RL's learning claims on a model trained from scratch: `python -m bench.learning`.
 
-Arms (Sparse-RL, arXiv 2601.10079; REFERENCE §1):
+Arms (Sparse-RL, arXiv 2601.10079):
   dense      rollouts with a dense KV cache: the reference run
   naive      R-KV rollouts at the calibrated budget, every correction off: the sparse sampler's
              tokens are trained on as if the dense policy had sampled them
@@ -9,6 +9,8 @@ Arms (Sparse-RL, arXiv 2601.10079; REFERENCE §1):
   adaptive   (optional) sparse_rl with the trainer's KV budget controller (services.trainer.
              kv_budget, settings `kv_control`) moving the rollout budget between steps from the
              calibrated one; each step row records `rollout_kv_budget` and the controller's report
+  adaptive_replayed  (optional) `replayed` with the same controller; its signal is measured against
+             a dense recompute (`dense_mismatch`), since the replayed recompute matches the sampler
 
 Every arm runs synchronously (staleness 0) in a process of its own, with the services' code: our
 engine (`LLMEngine`) samples a batch, `services.rollout.worker.score_samples` scores it, the
@@ -48,12 +50,21 @@ import torch
 from pydantic import BaseModel, Field
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from services.rollout.calibration import calibrate, evaluate, generate
+from services.rollout.calibration import calibrate
 from services.rollout.engine import KVConfig, LLMEngine
+from services.rollout.engine.evaluation import evaluate, generate
 from services.rollout.worker import sampling_info, score_samples
-from services.trainer.kv_budget import KVBudgetController, KVControlSettings, evidence_from_step
-from services.trainer.learner import Learner
-from services.trainer.loss import CorrectionConfig, LossConfig
+from services.trainer.batching import collate
+from services.trainer.kv_budget import (
+    Evidence,
+    KVBudgetController,
+    KVControlSettings,
+    Metric,
+    evidence_from_step,
+)
+from services.trainer.learner import Learner, LearnerConfig
+from services.trainer.loss import CorrectionConfig, LossConfig, grpo_advantages, sparse_rl_corrections
+from services.trainer.optim import OptimSettings
 from services.trainer.settings import TrainerSettings
 from services.trainer.warmstart import WarmstartRecipe, ensure_warmstart_model
 from shared.schemas import Trajectory
@@ -82,6 +93,13 @@ ARMS: dict[str, tuple[str, LossConfig]] = {  # name -> (rollout KV policy, loss 
 # Sparse-RL's corrections with the rollout budget moved by the trainer's controller (issue 26).
 ADAPTIVE = "adaptive"
 ARMS[ADAPTIVE] = ARMS["sparse_rl"]
+# The controller with eviction replay (issue 26). Under replay the trainer's old log-probs are computed
+# under the sampler's own eviction, so its veto rate and KL(old||sampler) are ~0 at any budget and say
+# nothing about the budget: this arm feeds the controller the mismatch against a dense recompute of the
+# same batch (what the adaptive arm's signal is), `dense_mismatch` below.
+ADAPTIVE_REPLAYED = "adaptive_replayed"
+ARMS[ADAPTIVE_REPLAYED] = ARMS["replayed"]
+CONTROLLED = (ADAPTIVE, ADAPTIVE_REPLAYED)
 # Fixed before the runs (issue 12). Accuracy = held-out T = 1 accuracy under dense inference,
 # mean over seeds; "sparse" = under R-KV at the training budget.
 CRITERIA = {
@@ -133,12 +151,13 @@ GPU_RECIPE = WarmstartRecipe(
     model_overrides={"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 6,
                      "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32},
     eval_prompts=256, sampled_target=0.35, check_every=250, check_from=0,
+    evict_share=0.0,  # dense SFT, as in every documented run (the demo's default is eviction-aware)
 )
 PRESETS: dict[str, LearningConfig] = {
     "gpu": LearningConfig(recipe=GPU_RECIPE, device="cuda", steps=150, groups=64, samples=8, lr=1e-4),
     # The whole pipeline on a CPU in a minute or two: a 60-step warm start of the demo's shape, tiny batches.
     "smoke": LearningConfig(
-        recipe=WarmstartRecipe(steps=60, sampled_target=None, eval_prompts=16),
+        recipe=WarmstartRecipe(steps=60, sampled_target=None, eval_prompts=16, evict_share=0.0),
         steps=3,
         groups=4,
         samples=4,
@@ -192,6 +211,22 @@ def rollout(engine: LLMEngine, tokenizer: PreTrainedTokenizerBase, task: Task, p
     ]
 
 
+def dense_mismatch(learner: Learner, trajectories: list[Trajectory], version: int, budget: int | None,
+                   metric: Metric) -> tuple[list[Evidence], dict[str, float]]:
+    """The controller's evidence for a replayed arm: the step's batch scored by the weights that sampled
+    it under a dense recompute (no replayed masks), with sparse_rl's corrections (the authors' rule):
+    the veto rate / KL(old_dense||sampler) the adaptive arm holds. One extra no-grad forward."""
+    batch = collate(trajectories, learner.pad_id).to(learner.device)
+    with torch.no_grad():
+        logp_dense = learner._logprobs_all(learner.model, batch)
+    corrections = sparse_rl_corrections(logp_dense, batch.logp_sampler, batch.completion_mask,
+                                        ARMS["sparse_rl"][1].corrections,
+                                        grpo_advantages(batch.rewards, batch.group_index))
+    figures = {f"dense_{k}": float(corrections.metrics[k]) for k in ("rejection_rate", "kl_old_sampler")}
+    return [Evidence(version=version, budget=budget, sequences=batch.sequences,
+                     value=figures[f"dense_{metric}"])], figures
+
+
 # -- one arm, in its own process --
 
 
@@ -199,12 +234,13 @@ def run_arm(cfg: LearningConfig, arm: str, seed: int, model_dir: Path, budget: i
     torch.set_num_threads(cfg.threads)
     policy, loss = ARMS[arm]
     settings = TrainerSettings(
-        model=str(model_dir), device=cfg.device, lr=cfg.lr, weight_decay=cfg.weight_decay, seed=seed,
+        model=str(model_dir), device=cfg.device, seed=seed,
+        optim=OptimSettings(lr=cfg.lr, weight_decay=cfg.weight_decay),
         ppo_updates=cfg.ppo_updates, micro_batch=cfg.micro_batch, temperature=cfg.temperature,
         loss=loss.model_copy(update={"kl_coef": cfg.kl_coef}),
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    learner = Learner(settings, model_dir, tokenizer.pad_token_id)
+    learner = Learner(LearnerConfig.of(settings), model_dir, tokenizer.pad_token_id)
     engine = LLMEngine.from_pretrained(model_dir, device=cfg.device, dtype=torch.bfloat16)
     sync_weights(learner, engine)
     task = cfg.task()
@@ -212,7 +248,7 @@ def run_arm(cfg: LearningConfig, arm: str, seed: int, model_dir: Path, budget: i
     train_kv = KVConfig(policy="dense") if policy == "dense" else modes["sparse"]
     held_out = task.make_prompts(cfg.eval_prompts, seed=EVAL_SEED)
     controller = None
-    if arm == ADAPTIVE:
+    if arm in CONTROLLED:
         start = cfg.kv_control.start_budget or budget
         controller = KVBudgetController(KVControlSettings.model_validate(
             cfg.kv_control.model_dump() | {"mode": "adaptive", "start_budget": start}))
@@ -248,12 +284,18 @@ def run_arm(cfg: LearningConfig, arm: str, seed: int, model_dir: Path, budget: i
                 engine, tokenizer, task, pairs, cfg, train_kv, seed * TRAIN_SEED_STRIDE + step, step
             )
             t_gen = time.perf_counter() - t0
-            metrics = learner.train_step(trajectories, version=step)
+            dense_cells: list[Evidence] = []
+            figures: dict[str, float] = {}
+            if controller is not None and arm == ADAPTIVE_REPLAYED:  # before the update: the sampling weights
+                dense_cells, figures = dense_mismatch(learner, trajectories, step, train_kv.sparse_budget,
+                                                      controller.settings.metric)
+            metrics = learner.train_step(trajectories, version=step) | figures
             sync_weights(learner, engine)
             control: dict[str, Any] = {
                 "rollout_kv_budget": train_kv.sparse_budget}
             if controller is not None:  # the next step's budget, as a published version carries it
-                cells = evidence_from_step(trajectories, metrics, step, controller.settings.metric)
+                metric = controller.settings.metric
+                cells = dense_cells or evidence_from_step(trajectories, metrics, step, metric)
                 control |= controller.update(cells, next_version=step + 1)
                 train_kv = train_kv.model_copy(update={"budget": control["kv_budget"]})
             emit({"type": "step", **metrics, **control, "generate_seconds": t_gen,
@@ -284,7 +326,7 @@ def summarise(arms: dict[str, list[list[dict[str, Any]]]]) -> dict[str, Any]:
     for arm, runs in arms.items():
         evals = [[r for r in rows if r["type"] == "eval"] for rows in runs]
         steps = [[r for r in rows if r["type"] == "step"] for rows in runs]
-        at = sorted({e["step"] for e in evals[0]})
+        at = sorted({e["step"] for run in evals for e in run})
         curve = {
             mode: [
                 _mean(
@@ -378,8 +420,21 @@ def criteria(summary: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """An arm's JSON lines; a last line cut by a kill is dropped."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
 def run(cfg: LearningConfig, arms: list[str], seeds: list[int], cache: Path, out: Path, parallel: int,
-        preset: str) -> dict[str, Any]:
+        preset: str, deadline: float | None = None) -> dict[str, Any]:
+    """`deadline`: seconds after the start at which arms still running are stopped and the result is
+    written from what they logged so far (`complete` false, `stopped` names them and their last step)."""
     started = time.perf_counter()
     device = torch.device(cfg.device)
     model_dir = ensure_warmstart_model(cache, cfg.recipe)
@@ -398,7 +453,20 @@ def run(cfg: LearningConfig, arms: list[str], seeds: list[int], cache: Path, out
     # Several GPUs: the arm processes take them in turn.
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     started_jobs = 0
+    stopped: dict[str, int | None] = {}
     while pending or running:
+        if deadline is not None and time.perf_counter() - started > deadline:
+            for key, (proc, path, log) in running.items():
+                proc.kill()
+                proc.wait()
+                log.close()
+                done[key] = read_rows(path)
+                steps = [r["step"] for r in done[key] if r["type"] == "step"]
+                stopped[f"{key[0]}-{key[1]}"] = steps[-1] if steps else None
+            stopped |= {f"{arm}-{seed}": None for arm, seed in pending}
+            print(f"deadline {deadline:.0f}s: stopped {stopped}", flush=True)
+            running, pending = {}, []
+            break
         while pending and len(running) < parallel:
             arm, seed = pending.pop(0)
             path = work / f"{arm}-{seed}.jsonl"
@@ -434,15 +502,18 @@ def run(cfg: LearningConfig, arms: list[str], seeds: list[int], cache: Path, out
             log.close()
             if proc.returncode != 0:
                 raise RuntimeError(f"arm {key} failed (exit {proc.returncode}); see {log.name}")
-            done[key] = [json.loads(line) for line in path.read_text().splitlines()]
+            done[key] = read_rows(path)
             del running[key]
             print(f"arm {key[0]} seed {key[1]} done at {time.perf_counter() - started:.0f}s", flush=True)
-    by_arm = {arm: [done[(arm, s)] for s in seeds] for arm in arms}
-    summary = summarise(by_arm)
+    # Runs with at least one evaluation (all of them unless the deadline stopped some).
+    by_arm = {arm: [done[(arm, s)] for s in seeds if any(r["type"] == "eval" for r in done.get((arm, s), []))]
+              for arm in arms}
+    summary = summarise({arm: runs for arm, runs in by_arm.items() if runs})
     result = {
         "bench": "learning",
         "preset": preset,
-        "complete": True,
+        "complete": not stopped,
+        "stopped": stopped,
         "device": torch.cuda.get_device_name(device)
         if device.type == "cuda"
         else platform.processor() or "cpu",
@@ -458,7 +529,7 @@ def run(cfg: LearningConfig, arms: list[str], seeds: list[int], cache: Path, out
         "calibration": calibration,
         "criteria": criteria(summary),
         "summary": summary,
-        "runs": {f"{arm}-{seed}": done[(arm, seed)] for arm, seed in jobs},
+        "runs": {f"{arm}-{seed}": done[(arm, seed)] for arm, seed in jobs if (arm, seed) in done},
         "wall_seconds": time.perf_counter() - started,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -490,7 +561,7 @@ def plot(path: Path) -> Path:
                                          ("rejection_rate", "sequence veto rate")], strict=True):
         for arm in summary:
             for i, seed in enumerate(result["seeds"]):
-                rows = [r for r in result["runs"][f"{arm}-{seed}"] if r["type"] == "step"]
+                rows = [r for r in result["runs"].get(f"{arm}-{seed}", []) if r["type"] == "step"]
                 ax.plot(
                     [r["step"] for r in rows],
                     [r[key] for r in rows],
@@ -537,6 +608,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="override a config field, e.g. --set lr=3e-4 --set steps=100")
     p.add_argument("--cache", type=Path, default=Path(".cache/warmstart"))
     p.add_argument("--out", type=Path)
+    p.add_argument("--deadline", type=float,
+                   help="seconds: stop the arms still running and write the result from what they logged")
     a = p.parse_args(argv)
     fields = PRESETS[a.preset].model_dump()
     if a.device:
@@ -548,7 +621,7 @@ def main(argv: list[str] | None = None) -> None:
     arms = a.arms.split(",")
     seeds = [int(s) for s in a.seeds.split(",")]
     out = a.out or RESULTS / f"learning-{a.preset}.json"
-    result = run(cfg, arms, seeds, a.cache, out, a.parallel or len(arms) * len(seeds), a.preset)
+    result = run(cfg, arms, seeds, a.cache, out, a.parallel or len(arms) * len(seeds), a.preset, a.deadline)
     print(json.dumps({"criteria": result["criteria"], "kv_budget": result["kv_budget"],
                       "final": {arm: s["final_mean"] for arm, s in result["summary"].items()},
                       "start": {arm: s["start_mean"] for arm, s in result["summary"].items()},

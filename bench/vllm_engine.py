@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if args.in_process else "1"
     from transformers import Qwen3ForCausalLM
 
-    from services.rollout.vllm_engine import VLLMEngine
+    from services.rollout.vllm.engine import VLLMEngine
 
     config = qwen3_config(args.shape)
     prompts = torch.randint(0, config.vocab_size, (args.batch, args.prompt),

@@ -31,7 +31,6 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
@@ -44,7 +43,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from services.trainer.batching import TrainBatch
-from services.trainer.learner import Captured, Learner, resolve_device
+from services.trainer.learner import Captured, Learner, LearnerConfig, resolve_device
+from services.trainer.model_dir import resolve_model_dir
 from services.trainer.rollout_math import token_logprobs
 from services.trainer.settings import TrainerSettings
 from shared.patch.codec import CHUNK_BYTES, build_patch, entropy_code
@@ -98,11 +98,11 @@ def control_group() -> dist.ProcessGroup:
 
 
 class DistributedLearner(Learner):
-    def __init__(self, settings: TrainerSettings, model_dir: Path, pad_id: int) -> None:
+    def __init__(self, config: LearnerConfig, model_dir: Path, pad_id: int) -> None:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.control = control_group()
         self._lock = threading.Lock()  # one command at a time (the HTTP checkpoint call vs the loop)
-        super().__init__(settings, model_dir, pad_id)
+        super().__init__(config, model_dir, pad_id)
 
     # -- commands --
 
@@ -157,6 +157,9 @@ class DistributedLearner(Learner):
     def load(self, directory: Path) -> None:
         self._run("load", Path(directory))
 
+    def set_step(self, step: int) -> None:
+        self._run("set_step", step)
+
     def evaluate(
         self, tokenizer: PreTrainedTokenizerBase, task: Task, prompts: list[tuple[str, str]], seed: int
     ) -> dict[str, float]:
@@ -170,7 +173,7 @@ class DistributedLearner(Learner):
     # -- hooks of the update --
 
     def _device(self) -> torch.device:
-        device = resolve_device(self.settings.device)
+        device = resolve_device(self.config.device)
         if device.type == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
         return device
@@ -190,8 +193,8 @@ class DistributedLearner(Learner):
 
     def _micro_batches(self, minibatch: torch.Tensor) -> list[torch.Tensor]:
         share = minibatch.tensor_split(self.world_size)
-        mine = list(share[self.rank].split(self.settings.micro_batch))
-        most = math.ceil(share[0].numel() / self.settings.micro_batch)  # rank 0's share is the largest
+        mine = list(share[self.rank].split(self.config.micro_batch))
+        most = math.ceil(share[0].numel() / self.config.micro_batch)  # rank 0's share is the largest
         return mine + [minibatch[:0]] * (most - len(mine))
 
     def _idle_pass(self, batch: TrainBatch) -> None:
@@ -226,7 +229,7 @@ class DistributedLearner(Learner):
                         batch.input_ids[chunk],
                         batch.attention_mask[chunk],
                         batch.completion_mask[chunk],
-                        self.settings.temperature,
+                        self.config.temperature,
                     )
                 )
         width = batch.input_ids.shape[1]
@@ -449,15 +452,16 @@ _COMMANDS: dict[str, Any] = {
     "load_published": DistributedLearner._load_published,
     "save": DistributedLearner._save,
     "load": Learner.load,
+    "set_step": Learner.set_step,
     "evaluate": DistributedLearner._evaluate,
 }
 
 
-def make_learner(settings: TrainerSettings, model_dir: Path, pad_id: int) -> Learner:
+def make_learner(config: LearnerConfig, model_dir: Path, pad_id: int) -> Learner:
     """The distributed learner when this process is one of several (torchrun), else Learner."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return DistributedLearner(settings, model_dir, pad_id)
-    return Learner(settings, model_dir, pad_id)
+        return DistributedLearner(config, model_dir, pad_id)
+    return Learner(config, model_dir, pad_id)
 
 
 def follow_until_stopped(learner: DistributedLearner) -> None:
@@ -468,16 +472,15 @@ def follow_until_stopped(learner: DistributedLearner) -> None:
         dist.destroy_process_group()
 
 
-def prepare_model(settings: TrainerSettings, resolve: Callable[[TrainerSettings], Path]) -> Path:
+def prepare_model(settings: TrainerSettings) -> Path:
     """The model directory, made by rank 0 first when it must be (the tiny-demo warm start), then
-    by the others from its cache (on one node; several nodes need a model directory they all see).
-    `resolve` is the service's model resolver (core.resolve_model_dir, which imports this module)."""
+    by the others from its cache (on one node; several nodes need a model directory they all see)."""
     if dist.get_rank() == 0:
-        path = resolve(settings)
+        path = resolve_model_dir(settings)
         dist.barrier(group=control_group())
     else:
         dist.barrier(group=control_group())
-        path = resolve(settings)
+        path = resolve_model_dir(settings)
     return path
 
 
@@ -485,4 +488,4 @@ def run_follower(settings: TrainerSettings, model_dir: Path) -> None:
     """Ranks > 0: the same learner as rank 0's, driven by it."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    follow_until_stopped(DistributedLearner(settings, model_dir, pad_id))
+    follow_until_stopped(DistributedLearner(LearnerConfig.of(settings), model_dir, pad_id))

@@ -54,17 +54,20 @@ class EvictionMasks:
         self.engine = LLMEngine(copy.deepcopy(config), device=device, dtype=torch.bfloat16,
                                 compute_dtype=compute_dtype)
 
-    def __call__(self, weights: Mapping[str, torch.Tensor], prompts: list[list[int]],
-                 completions: list[list[int]], kv: KVConfig) -> torch.Tensor:
-        """visible_positions of these examples under `weights` (a model's state_dict, HF names) and
-        the cache `kv`."""
+    def load(self, weights: Mapping[str, torch.Tensor]) -> LLMEngine:
+        """The engine holding `weights` (a model's state_dict, HF names), rounded to bf16."""
         live = self.engine.state_dict()
         with torch.no_grad():
             for name, tensor in weights.items():
                 if name in live:
                     live[name].copy_(tensor)
         self.engine.weights_updated(set(live))
-        return visible_positions(self.engine, prompts, completions, kv)
+        return self.engine
+
+    def __call__(self, weights: Mapping[str, torch.Tensor], prompts: list[list[int]],
+                 completions: list[list[int]], kv: KVConfig) -> torch.Tensor:
+        """visible_positions of these examples under `weights` and the cache `kv`."""
+        return visible_positions(self.load(weights), prompts, completions, kv)
 
 
 def batch_masks(attention: torch.Tensor, layers: int, kv_heads: int,

@@ -10,19 +10,23 @@ what it returns, and bench/learning.py drives it in-process with the same code. 
 3. `ppo_updates` AdamW steps, each on a shuffled 1/N of the sequences (micro-batched), so the PPO
    ratio moves off 1 and the clip acts (Sparse-RL: 128 prompts × 8 samples, global batch 256 →
    4 updates per rollout).
+
+The learner takes what it reads, `LearnerConfig` (the `optim` and `loss` sections and the step's
+shape), not the trainer's whole settings: `LearnerConfig.of(settings)` picks them out.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import logging
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -31,13 +35,17 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from services.trainer.batching import TrainBatch, collate
 from services.trainer.evaluation import evaluate
-from services.trainer.loss import Corrections, grpo_advantages, grpo_loss, sparse_rl_corrections
+from services.trainer.loss import Corrections, LossConfig, grpo_advantages, grpo_loss, sparse_rl_corrections
+from services.trainer.optim import OptimSettings
 from services.trainer.rollout_math import token_logprobs
-from services.trainer.settings import TrainerSettings
 from shared.dtypes import compute_dtype
 from shared.patch import dense_bytes, extract_patch, fingerprint
+from shared.patch.codec import Encoding
 from shared.schemas import Sample, Trajectory
 from shared.tasks import Task
+
+if TYPE_CHECKING:
+    from services.trainer.settings import TrainerSettings
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +76,32 @@ def published_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+@dataclass(frozen=True)
+class LearnerConfig:
+    """Everything the learner reads: its two sections, and the few values that shape a step. No
+    defaults here: each has its one, in `TrainerSettings` (`LearnerConfig.of`)."""
+
+    optim: OptimSettings
+    loss: LossConfig
+    device: str  # "auto": cuda when there is one
+    seed: int  # the initial RNG state and the minibatch order
+    micro_batch: int  # sequences per forward/backward pass
+    ppo_updates: int  # optimizer steps per rollout batch
+    temperature: float  # the workers' sampling temperature (logp_old_dense is recomputed at it)
+    bf16_autocast: bool
+    activation_checkpointing: bool
+    measure_batch_gain: bool
+    patch_encoding: Encoding
+
+    @classmethod
+    def of(cls, settings: TrainerSettings) -> LearnerConfig:
+        return cls(optim=settings.optim, loss=settings.loss, device=settings.device, seed=settings.seed,
+                   micro_batch=settings.micro_batch, ppo_updates=settings.ppo_updates,
+                   temperature=settings.temperature, bf16_autocast=settings.bf16_autocast,
+                   activation_checkpointing=settings.activation_checkpointing,
+                   measure_batch_gain=settings.measure_batch_gain, patch_encoding=settings.patch_encoding)
+
+
 @dataclass
 class Captured:
     """The published weights of one step, captured: `make_patch(run, base_version, target_version)`
@@ -88,29 +122,29 @@ class Learner:
     loss_scale = 1.0  # FSDP averages gradients over ranks; the distributed learner undoes that
     world_size, rank = 1, 0
 
-    def __init__(self, settings: TrainerSettings, model_dir: Path, pad_id: int) -> None:
-        self.settings = settings
+    def __init__(self, config: LearnerConfig, model_dir: Path, pad_id: int) -> None:
+        self.config = config
         self.device = self._device()
         self.pad_id = pad_id
         # bf16 autocast where the device multiplies bf16 natively; a CPU that only emulates it
         # (AVX2: ~30x slower than fp32) computes in fp32, as the rollout engine does there.
-        self.bf16 = settings.bf16_autocast and compute_dtype(self.device, torch.bfloat16) == torch.bfloat16
-        if settings.bf16_autocast and not self.bf16:
+        self.bf16 = config.bf16_autocast and compute_dtype(self.device, torch.bfloat16) == torch.bfloat16
+        if config.bf16_autocast and not self.bf16:
             log.info("bf16 autocast off: this CPU has no native bf16 matrix products (fp32 compute)")
-        torch.manual_seed(settings.seed)
+        torch.manual_seed(config.seed)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         model.config.use_cache = False
-        if settings.activation_checkpointing:
+        if config.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # The KL anchor: the starting weights (the warm start), frozen, in the dtype they were saved in
         # (upcast, exactly, where that dtype is only emulated).
         frozen = None
-        if settings.loss.kl_coef > 0:
+        if config.loss.kl_coef > 0:
             frozen = AutoModelForCausalLM.from_pretrained(model_dir).eval()
             frozen.to(compute_dtype(self.device, frozen.dtype))
             frozen.requires_grad_(False)
         self.evict = None
-        if settings.loss.recompute == "replayed":
+        if config.loss.recompute == "replayed":
             from services.trainer.eviction_masks import LAYER_MASKED, EvictionMasks
 
             for m in (model, frozen):
@@ -121,17 +155,17 @@ class Learner:
             self.evict = EvictionMasks(model.config, self.device, precision)
         self._sampled_weights: dict[int, dict[str, torch.Tensor]] = {}  # bf16 weights by version
         self.model, self.ref_model = self._prepare(model, frozen)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr,
-                                           weight_decay=settings.weight_decay,
-                                           betas=(settings.beta1, settings.beta2))
+        optim = config.optim
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr,
+                                           weight_decay=optim.weight_decay, betas=(optim.beta1, optim.beta2))
         self.step = 0
         # Minibatch order: its own generator, so sampling elsewhere does not change which sequences
         # share an update (a checkpoint stores its state).
-        self.shuffle = torch.Generator().manual_seed(settings.seed)
+        self.shuffle = torch.Generator().manual_seed(config.seed)
         self._init_published()
 
     def _device(self) -> torch.device:
-        return resolve_device(self.settings.device)
+        return resolve_device(self.config.device)
 
     def _prepare(self, model: torch.nn.Module,
                  frozen: torch.nn.Module | None) -> tuple[torch.nn.Module, torch.nn.Module | None]:
@@ -142,7 +176,7 @@ class Learner:
     def train_step(self, trajectories: Sequence[Trajectory], version: int | None = None) -> dict[str, Any]:
         """One rollout batch → `ppo_updates` optimizer steps. `version`: the weights' version now,
         for staleness (default: the newest version among the trajectories)."""
-        s = self.settings
+        s = self.config
         batch = collate(trajectories, self.pad_id)
         if version is None:
             version = max(batch.policy_versions)
@@ -290,7 +324,7 @@ class Learner:
 
     def _micro_batches(self, minibatch: torch.Tensor) -> list[torch.Tensor]:
         """This process's micro-batches of a minibatch (an empty one: run _idle_pass)."""
-        return list(minibatch.split(self.settings.micro_batch))
+        return list(minibatch.split(self.config.micro_batch))
 
     def _idle_pass(self, batch: TrainBatch) -> None:
         """A forward/backward contributing nothing (only processes with collectives need it)."""
@@ -300,7 +334,7 @@ class Learner:
         return value
 
     def _clip_grad_norm(self) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.grad_clip)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP
 
     def _loss(self, batch: TrainBatch, rows: torch.Tensor, logp_old: torch.Tensor,
@@ -308,7 +342,7 @@ class Learner:
               normalizer: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         logp_new = self._logprobs_local(self.model, batch, rows)
         return grpo_loss(logp_new, logp_old[rows], batch.logp_sampler[rows], advantages[rows],
-                         batch.completion_mask[rows], self.settings.loss,
+                         batch.completion_mask[rows], self.config.loss,
                          logp_ref=None if logp_ref is None else logp_ref[rows],
                          corrections=corrections.rows(rows), normalizer=normalizer)
 
@@ -319,7 +353,7 @@ class Learner:
         for lag in sorted(set(batch.staleness(version))):
             rows = (version - versions == lag).nonzero()[:, 0]
             sub = sparse_rl_corrections(logp_old[rows], batch.logp_sampler[rows], batch.completion_mask[rows],
-                                        self.settings.loss.corrections, advantages[rows])
+                                        self.config.loss.corrections, advantages[rows])
             out[str(lag)] = {k: sub.metrics[k] for k in _BY_STALENESS} | {"sequences": int(rows.numel())}
         return out
 
@@ -330,11 +364,11 @@ class Learner:
     def _logprobs_local(self, model: torch.nn.Module, batch: TrainBatch, rows: torch.Tensor) -> torch.Tensor:
         """Token log-probs of `rows`, micro-batched (no_grad callers get the whole set at once)."""
         parts = []
-        for chunk in rows.split(self.settings.micro_batch):
+        for chunk in rows.split(self.config.micro_batch):
             with self._autocast():
                 masks = None if batch.layer_masks is None else batch.layer_masks[chunk]
                 parts.append(token_logprobs(model, batch.input_ids[chunk], batch.attention_mask[chunk],
-                                            batch.completion_mask[chunk], self.settings.temperature, masks))
+                                            batch.completion_mask[chunk], self.config.temperature, masks))
         return torch.cat(parts)
 
     @contextlib.contextmanager
@@ -378,7 +412,8 @@ class Learner:
         old, new = self.published, published_state(self.model)
         base_fp, target_fp = self.published_fingerprint, fingerprint(new)
         self.published, self.published_fingerprint = new, target_fp
-        make_patch = functools.partial(_extract, old, new, base_fp, target_fp)
+        make_patch = functools.partial(_extract, old, new, base_fp, target_fp,
+                                       encoding=self.config.patch_encoding)
         return Captured(make_patch, target_fp, new if full_state else None)
 
     def load_published(self, state: dict[str, torch.Tensor]) -> None:
@@ -389,6 +424,27 @@ class Learner:
                 target: torch.Tensor = params[name] if name in params else self.model.get_buffer(name)
                 target.copy_(tensor.to(target.device, target.dtype))
         self._init_published()
+
+    def state_checksum(self) -> str:
+        """Per tensor, the float64 sum and sum of squares of the master weights and of every
+        optimizer state (Adam's moments and step count), hashed: two states that differ in any
+        value almost surely differ here. A few reductions per tensor on the device, cheap enough
+        to take at every checkpoint and after every resume (the resume check, docs/coordination.md)."""
+        digest = hashlib.sha256()
+        with torch.no_grad():
+            tensors: list[tuple[str, torch.Tensor]] = [("param", p) for p in self.model.parameters()]
+            for i, state in enumerate(self.optimizer.state.values()):
+                tensors += [(f"{i}.{k}", v) for k, v in sorted(state.items()) if isinstance(v, torch.Tensor)]
+            for name, tensor in tensors:
+                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+                t = local.detach().to(torch.float64)
+                pair = torch.stack([t.sum(), (t * t).sum()])
+                digest.update(name.encode() + pair.cpu().numpy().tobytes())
+        return digest.hexdigest()[:16]
+
+    def set_step(self, step: int) -> None:
+        """Progress is the registry's head: after resuming from its weights the count follows it."""
+        self.step = step
 
     def close(self) -> None:
         """Release what the learner drives (the distributed learner's followers)."""
@@ -418,6 +474,6 @@ class Learner:
 
 
 def _extract(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], base_fp: str, target_fp: str,
-             run: str, base_version: int, target_version: int) -> bytes:
+             run: str, base_version: int, target_version: int, *, encoding: Encoding = "zstd") -> bytes:
     return extract_patch(old, new, run=run, base_version=base_version, target_version=target_version,
-                         base_fingerprint=base_fp, target_fingerprint=target_fp)
+                         base_fingerprint=base_fp, target_fingerprint=target_fp, encoding=encoding)

@@ -6,28 +6,56 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
-from bench.learning import ARMS, LearningConfig, run_arm
+from bench.learning import ARMS, LearningConfig, run_arm, summarise
 from services.trainer.kv_budget import KVControlSettings
 from services.trainer.warmstart import WarmstartRecipe
 
 
-def test_the_adaptive_arm_moves_the_rollout_budget(tiny_model_dir: str, tmp_path: Path) -> None:
-    assert "adaptive" in ARMS
+def _steps_of(arm: str, model_dir: str, tmp_path: Path) -> list[dict]:
+    """Three steps of `arm` with a controller whose target any mismatch is over, so the budget
+    rises a step after every step (8 -> 16 -> 20, clamped at max_budget); the step rows."""
     threads = torch.get_num_threads()
-    # Any mismatch is over this target: the budget rises by a step after every step.
     control = KVControlSettings(metric="kl_old_sampler", target=1e-9, smoothing=1.0, min_sequences=1,
                                 min_budget=8, max_budget=20, step=8)
     cfg = LearningConfig(recipe=WarmstartRecipe(), steps=3, groups=2, samples=2, lr=1e-3, kv_buffer=4,
                          eval_every=100, eval_prompts=2, eval_batch=2, threads=1, kv_control=control)
-    out = tmp_path / "adaptive.jsonl"
+    out = tmp_path / f"{arm}.jsonl"
     try:
-        run_arm(cfg, "adaptive", seed=0, model_dir=Path(tiny_model_dir), budget=8, out=out)
+        run_arm(cfg, arm, seed=0, model_dir=Path(model_dir), budget=8, out=out)
     finally:
         torch.set_num_threads(threads)
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    steps = [r for r in rows if r["type"] == "step"]
+    return [r for r in map(json.loads, out.read_text().splitlines()) if r["type"] == "step"]
+
+
+def test_the_adaptive_arm_moves_the_rollout_budget(tiny_model_dir: str, tmp_path: Path) -> None:
+    assert "adaptive" in ARMS
+    steps = _steps_of("adaptive", tiny_model_dir, tmp_path)
     assert [r["rollout_kv_budget"] for r in steps] == [8, 16, 20]  # clamped at max_budget
     assert [r["kv_budget"] for r in steps] == [16, 20, 20]
     assert all(r["kl_old_sampler"] > 1e-9 for r in steps)
+
+
+def test_the_adaptive_replayed_arm_steers_by_the_dense_mismatch(tiny_model_dir: str, tmp_path: Path) -> None:
+    """Under replay the trainer's own mismatch is ~0 at any budget; the controller reads the mismatch
+    of the same batch against a dense recompute, logged as dense_*."""
+    assert ARMS["adaptive_replayed"] == ARMS["replayed"]
+    steps = _steps_of("adaptive_replayed", tiny_model_dir, tmp_path)
+    assert [r["rollout_kv_budget"] for r in steps] == [8, 16, 20]
+    assert all(r["dense_kl_old_sampler"] > 1e-9 for r in steps)
+    assert all(0.0 <= r["dense_rejection_rate"] <= 1.0 for r in steps)
+
+
+def test_a_run_stopped_at_the_deadline_is_summarised_from_what_it_logged() -> None:
+    def evals(*accs: float) -> list[dict]:
+        modes = ("dense_t1", "sparse_t1")
+        return [{"type": "eval", "step": 20 * i, "modes": {m: {"accuracy": a} for m in modes}}
+                for i, a in enumerate(accs)]
+
+    full, cut = evals(0.4, 0.5, 0.6), evals(0.4, 0.3)
+    summary = summarise({"dense": [full, full], "sparse_rl": [full, cut]})
+    assert summary["sparse_rl"]["eval_steps"] == [0, 20, 40]
+    assert summary["sparse_rl"]["curve"]["dense_t1"] == pytest.approx([0.4, 0.4, 0.6])  # step 40: one run
+    assert summary["sparse_rl"]["worst_vs_start_per_seed"] == pytest.approx([0.0, -0.1])

@@ -13,7 +13,8 @@ from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
 from services.rollout.models.decoder import load_pretrained
 from services.rollout.worker import sampling_info, score_samples
 from services.trainer.batching import collate
-from services.trainer.learner import Learner
+from services.trainer.learner import Learner, LearnerConfig
+from services.trainer.optim import OptimSettings
 from services.trainer.settings import TrainerSettings
 from shared.schemas import Trajectory
 from shared.tasks import get_task
@@ -52,9 +53,10 @@ def _trajectories(model_dir: str, kv: KVConfig) -> list[Trajectory]:
 
 
 def _learner(model_dir: str, tmp_path: Path, recompute: str) -> Learner:
-    settings = TrainerSettings(model=model_dir, data_dir=str(tmp_path), device="cpu", lr=1e-3, ppo_updates=1,
-                               bf16_autocast=False, loss={"recompute": recompute})
-    return Learner(settings, Path(model_dir), pad_id=0)
+    settings = TrainerSettings(model=model_dir, data_dir=str(tmp_path), device="cpu", ppo_updates=1,
+                               bf16_autocast=False, loss={"recompute": recompute},
+                               optim=OptimSettings(lr=1e-3))
+    return Learner(LearnerConfig.of(settings), Path(model_dir), pad_id=0)
 
 
 @pytest.mark.parametrize("keep_prompt", [False, True])

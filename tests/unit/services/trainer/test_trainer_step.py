@@ -11,7 +11,8 @@ import torch
 
 from services.trainer.batching import collate
 from services.trainer.core import Trainer
-from services.trainer.learner import Learner, published_state
+from services.trainer.learner import Learner, LearnerConfig, published_state
+from services.trainer.optim import OptimSettings
 from services.trainer.settings import TrainerSettings
 from shared.patch import apply_patch, extract_patch, fingerprint, read_header
 from shared.schemas import KVStats, Sample, SamplingInfo, Trajectory
@@ -34,9 +35,9 @@ def _trajectories(vocab: int, groups: int = 3, samples: int = 4, seed: int = 0) 
     return out
 
 
-def _settings(model_dir: str, tmp_path: Path, **overrides) -> TrainerSettings:
+def _settings(model_dir: str, tmp_path: Path, lr: float = 1e-3, **overrides) -> TrainerSettings:
     return TrainerSettings(
-        model=model_dir, data_dir=str(tmp_path), **({"device": "cpu", "lr": 1e-3} | overrides)
+        model=model_dir, data_dir=str(tmp_path), optim=OptimSettings(lr=lr), **({"device": "cpu"} | overrides)
     )
 
 
@@ -46,7 +47,7 @@ def _trainer(model_dir: str, tmp_path: Path, **overrides) -> Trainer:
 
 
 def _learner(model_dir: str, tmp_path: Path, **overrides) -> Learner:
-    return Learner(_settings(model_dir, tmp_path, **overrides), Path(model_dir), pad_id=0)
+    return Learner(LearnerConfig.of(_settings(model_dir, tmp_path, **overrides)), Path(model_dir), pad_id=0)
 
 
 def test_collate_aligns_sampler_logprobs_with_completion_tokens() -> None:
@@ -90,7 +91,8 @@ def test_step_changes_a_sparse_set_of_bf16_weights_and_the_patch_is_exact(
     after = published_state(trainer.learner.model)
     captured = trainer.learner.capture(full_state=True)
     patch = captured.make_patch("r", 0, 1)
-    assert patch == extract_patch(before, after, run="r", base_version=0, target_version=1)
+    assert patch == extract_patch(before, after, run="r", base_version=0, target_version=1,
+                                  encoding=trainer.settings.patch_encoding)
     assert captured.fingerprint == fingerprint(after) == trainer.learner.published_fingerprint
     assert captured.state is not None and fingerprint(captured.state) == fingerprint(after)
     header = read_header(patch)
@@ -164,7 +166,26 @@ def test_correction_metrics_split_by_staleness(tiny_model_dir: str, tmp_path: Pa
     assert set(split["0"]) == {"xi_mean", "kl_old_sampler", "rejection_rate", "token_mask_rate", "sequences"}
 
 
-def test_trainer_refuses_trajectories_sampled_otherwise(tiny_model_dir: str, tmp_path: Path) -> None:
+def test_the_patch_encoding_is_a_setting(tiny_model_dir: str, tmp_path: Path) -> None:
+    """zstd (the default) codes values/bitdelta only; ctxans is what the setting asks for, and
+    both apply to the same exact weights."""
+    for encoding, allowed in (("zstd", {"values", "bitdelta"}), ("ctxans", {"ctxans"})):
+        learner = _learner(tiny_model_dir, tmp_path / encoding, lr=1e-5, patch_encoding=encoding)
+        before = {k: v.clone() for k, v in learner.full_published().items()}
+        learner.train_step(_trajectories(vocab=90))
+        patch = learner.capture().make_patch("r", 0, 1)
+        used = {t.encoding for t in read_header(patch).tensors if t.count}
+        assert used and used <= allowed, used
+        state = {k: v.clone() for k, v in before.items()}
+        apply_patch(state, patch)
+        assert fingerprint(state) == learner.published_fingerprint
+
+
+def test_trainer_refuses_trajectories_sampled_otherwise(tiny_model_dir: str, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The sampling contract alone: these synthetic groups were never admitted (admission's own
+    # tests: tests/unit/services/trainer/test_admission.py and the forged-trajectory tests).
+    monkeypatch.setattr("services.trainer.core.refusal", lambda *args, **kwargs: None)
     trainer = _trainer(tiny_model_dir, tmp_path, temperature=1.0)
     good = _trajectories(vocab=90, groups=1)[0].model_copy(update={"sampling": SamplingInfo(temperature=1.0)})
     assert trainer.sampling_mismatch(good) is None
@@ -203,7 +224,7 @@ def test_cpu_that_emulates_bf16_trains_in_fp32(tiny_model_dir: str, tmp_path: Pa
 
     monkeypatch.setattr(learner_module, "compute_dtype", lambda device, dtype: torch.float32)
     learner = _learner(tiny_model_dir, tmp_path, loss={"kl_coef": 0.1})
-    assert learner.settings.bf16_autocast and not learner.bf16
+    assert learner.config.bf16_autocast and not learner.bf16
     with learner._autocast():
         assert not torch.is_autocast_enabled("cpu")
     assert learner.ref_model is not None

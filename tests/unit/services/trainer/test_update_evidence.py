@@ -9,15 +9,16 @@ from pathlib import Path
 import torch
 
 from services.trainer.batching import collate
-from services.trainer.learner import Learner
+from services.trainer.learner import Learner, LearnerConfig
+from services.trainer.optim import OptimSettings
 from services.trainer.settings import TrainerSettings
 from shared.schemas import KVStats, Sample, Trajectory
 
 
 def _learner(model_dir: str, tmp_path: Path, **loss: object) -> Learner:
-    settings = TrainerSettings(model=model_dir, data_dir=str(tmp_path), device="cpu", lr=1e-3,
-                               bf16_autocast=False, ppo_updates=1, loss=loss)
-    return Learner(settings, Path(model_dir), pad_id=0)
+    settings = TrainerSettings(model=model_dir, data_dir=str(tmp_path), device="cpu",
+                               optim=OptimSettings(lr=1e-3), bf16_autocast=False, ppo_updates=1, loss=loss)
+    return Learner(LearnerConfig.of(settings), Path(model_dir), pad_id=0)
 
 
 def _batch(vocab: int, groups: int = 5, samples: int = 4, seed: int = 0) -> list[Trajectory]:

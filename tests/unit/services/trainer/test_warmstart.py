@@ -50,6 +50,9 @@ def test_cache_is_reused_and_keyed_by_recipe(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp dirs left behind
 
 
+SMALL_CACHE: dict[str, int | str | bool] = {"policy": "rkv", "budget": 12, "buffer": 2, "keep_prompt": False}
+
+
 def test_eviction_aware_warmstart_trains_chosen_rows_under_replayed_masks(tmp_path, monkeypatch):
     masked_rows = []
     real = warmstart._evicted_rows
@@ -65,8 +68,53 @@ def test_eviction_aware_warmstart_trains_chosen_rows_under_replayed_masks(tmp_pa
 
     monkeypatch.setattr(warmstart, "_evicted_rows", spy)
     recipe = WarmstartRecipe(steps=3, batch_size=8, sampled_target=None, eval_prompts=4, evict_share=1.0,
-                             evict_kv={"policy": "rkv", "budget": 12, "buffer": 2, "keep_prompt": False})
+                             evict_every=1, evict_kv=SMALL_CACHE)
     train_warmstart(recipe, tmp_path, log_every=0)
     assert masked_rows == [8, 8, 8]
     model = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert model.config._attn_implementation == "sdpa"  # the saved model loads as a plain one
+
+
+def test_the_evicted_share_is_replayed_on_one_step_in_evict_every(tmp_path, monkeypatch):
+    """Half the replays for the same share of examples: steps 0, 2, 4 replay all of their rows."""
+    replayed: list[tuple[int, int]] = []
+    real = warmstart._evicted_rows
+
+    def count(evict, kv, model, batch, examples, chosen, tokenizer):
+        replayed.append((len(examples), len(chosen)))
+        return real(evict, kv, model, batch, examples, chosen, tokenizer)
+
+    monkeypatch.setattr(warmstart, "_evicted_rows", count)
+    recipe = WarmstartRecipe(steps=5, batch_size=4, sampled_target=None, eval_prompts=0, evict_share=0.5,
+                             evict_every=2, evict_kv=SMALL_CACHE)
+    train_warmstart(recipe, tmp_path, log_every=0)
+    assert replayed == [(4, 4)] * 3
+
+
+def test_the_stop_waits_for_the_sampled_accuracy_under_the_cache(tmp_path, monkeypatch):
+    """Dense sampled accuracy past its target is not enough: the check under `evict_kv` (on the
+    rollout engine) must pass too, and a dense-SFT recipe stops on the dense check alone."""
+    import services.rollout.engine.evaluation as engine_evaluation
+
+    under_cache = iter([0.1, 0.2, 0.5])
+    engine_checks: list[int] = []
+
+    def dense_check(*args, **kwargs):
+        return {"accuracy": 1.0, "mean_reward": 1.0}
+
+    def engine_check(engine, tokenizer, task, pairs, kv, temperature, batch, seed):
+        engine_checks.append(len(pairs))
+        assert kv.policy == "rkv" and kv.budget == 12 and temperature == 1.0
+        return {"accuracy": next(under_cache), "reward": 0.0, "length": 1.0, "kv_saved": 0.5}
+
+    monkeypatch.setattr(warmstart, "evaluate", dense_check)
+    monkeypatch.setattr(engine_evaluation, "evaluate", engine_check)
+    recipe = WarmstartRecipe(steps=20, batch_size=2, eval_prompts=0, evict_share=0.5, evict_kv=SMALL_CACHE,
+                             check_from=2, check_every=2, sampled_target=0.4, evicted_target=0.3,
+                             evicted_check_prompts=8)
+    report = train_warmstart(recipe, tmp_path / "evicted", log_every=0)
+    assert report["steps_done"] == 6 and engine_checks == [8, 8, 8]
+    assert [c.get("evicted_sampled_accuracy") for c in report["sampled_checks"]] == [0.1, 0.2, 0.5]
+
+    dense = recipe.model_copy(update={"evict_share": 0.0})
+    assert train_warmstart(dense, tmp_path / "dense", log_every=0)["steps_done"] == 2
