@@ -8,8 +8,9 @@ stores each value at its address, and the check one kernel that reads every writ
 and counts those that differ. Both move only the changed elements (plus their addresses), so they
 run at HBM speed on a GPU: the in-place write the rollout worker pauses for (shared.patch.apply).
 
-Addresses are taken while staging; apply.commit_patch refuses a staged patch whose tensors no
-longer live where they did. Tensors on a CPU (or without Triton) are written per tensor by torch.
+Addresses are taken, and the kernels compiled, while staging; apply.commit_patch refuses a staged
+patch whose tensors no longer live where they did. Tensors on a CPU (or without Triton) are
+written per tensor by torch.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def available(device: torch.device) -> bool:
 if triton is not None:
     import triton.language as tl
 
-    @triton.jit
+    # n unspecialised: one compiled kernel per element size whatever the count (see _compile)
+    @triton.jit(do_not_specialize=["n"])
     def _scatter_kernel(addresses, values, n, ELEM: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < n
@@ -53,7 +55,7 @@ if triton is not None:
         else:
             tl.store(address.to(tl.pointer_type(tl.int64)), value, mask=ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n"])
     def _readback_kernel(addresses, values, n, wrong, ELEM: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < n
@@ -72,16 +74,34 @@ if triton is not None:
         tl.atomic_add(wrong, bad)
 
 
+_compiled: set[tuple[torch.device, torch.dtype]] = set()
+
+
+def _compile(device: torch.device, dtype: torch.dtype) -> None:
+    """Compile both kernels for one element size on a scratch element, once per process: Triton
+    compiles on first launch (~1 s), which must not land inside the first version's pause."""
+    if (device, dtype) in _compiled:
+        return
+    scratch = torch.zeros(1, dtype=dtype, device=device)
+    probe = FlatWrite(torch.tensor([scratch.data_ptr()], dtype=torch.int64, device=device), scratch.clone())
+    write([probe])
+    wrong_after_write([probe]).item()
+    _compiled.add((device, dtype))
+
+
 def flat_writes(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[FlatWrite]:
     """(live tensor, sorted indices, new bits) per tensor, all on one CUDA device: one FlatWrite
-    per element size (built while the weights still serve; no host sync)."""
+    per element size (built while the weights still serve; the kernels compiled here too)."""
     by_size: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for target, indices, new_bits in parts:
         elem = target.element_size()
         addresses, values = by_size.setdefault(elem, ([], []))
         addresses.append(indices * elem + target.data_ptr())
         values.append(new_bits)
-    return [FlatWrite(torch.cat(a), torch.cat(v)) for a, v in by_size.values()]
+    writes = [FlatWrite(torch.cat(a), torch.cat(v)) for a, v in by_size.values()]
+    for w in writes:
+        _compile(w.values.device, w.values.dtype)
+    return writes
 
 
 def write(writes: list[FlatWrite]) -> None:

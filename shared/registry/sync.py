@@ -148,13 +148,14 @@ async def apply_patches(into: WeightTarget, blobs: list[memoryview], version: in
     in-place write and its read-back check (shared.patch.apply). Only the sync writes weights, so
     they cannot change between a patch's staging and its write."""
     sums: dict[str, int] | None = None  # the weights' fingerprint sums after the last write
+    state = into.state()  # read once, outside the pause (commit_patch refuses tensors that moved)
     for blob in blobs:
         into.phase("decoding")
-        staged = await asyncio.to_thread(stage_patch, into.state(), blob, verify=True, sums=sums)
+        staged = await asyncio.to_thread(stage_patch, state, blob, verify=True, sums=sums)
         async with into.writing():  # a batch boundary: nothing reads the weights while they change
             into.phase("applying")
             try:
-                sums = await asyncio.to_thread(commit_patch, into.state(), staged)
+                sums = await asyncio.to_thread(commit_patch, state, staged)
             finally:
                 into.updated({d.name for d in staged.decoded})  # also after a restore: it rewrote them
             version = staged.header.target_version

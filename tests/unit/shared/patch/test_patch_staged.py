@@ -57,6 +57,8 @@ def test_stage_writes_nothing_and_predicts_the_target_sums(device: str) -> None:
     live = _on(old, device)
     staged = stage_patch(live, _patch(old, new, 0))
     assert bool(staged.writes) == (device == "cuda")  # one scatter on a GPU
+    # ... whose kernels were compiled while staging, not in the first version's pause
+    assert all((w.values.device, w.values.dtype) in scatter._compiled for w in staged.writes)
     live_before = {k: v.cpu() for k, v in live.items()}
     assert _same(live_before, old)
     assert staged.sums == {k: v & (2**64 - 1) for k, v in tensor_sums(new).items()}
