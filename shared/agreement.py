@@ -23,7 +23,7 @@ DENSE_ONLY_ENGINES = frozenset({"vllm"})
 
 
 class SamplingAssumption(Protocol):
-    """What the trainer assumes about how its samples were drawn (TrainerSettings has these)."""
+    """What the trainer assumes about how its samples were drawn (shared.sampling.SamplingSettings)."""
 
     @property
     def temperature(self) -> float: ...

@@ -45,9 +45,8 @@ class ServiceSettings(BaseSettings):
         return value
 
     # Deprecated flat names of this service's nested sections (`FlatAliases`): flat name without the
-    # prefix → (section, field), and what the sections hold, for the error a flat keyword gets.
+    # prefix → (section, field).
     flat_aliases: ClassVar[Mapping[str, tuple[str, str]]] = {}
-    flat_aliases_about: ClassVar[str] = ""
 
     @classmethod
     def settings_customise_sources(
@@ -68,9 +67,10 @@ class ServiceSettings(BaseSettings):
         # Ignored silently otherwise (extra="ignore"): a flat keyword is an error, not a no-op.
         if isinstance(data, dict) and (flat := sorted(set(data) & set(cls.flat_aliases))):
             section = cls.flat_aliases[flat[0]][0]
+            flat = [n for n in flat if cls.flat_aliases[n][0] == section]  # one section per message
             kind = getattr(cls.model_fields[section].annotation, "__name__", section)
             fields = ", ".join(f"{cls.flat_aliases[n][1]}=..." for n in flat)
-            raise ValueError(f"{', '.join(flat)}: the {cls.flat_aliases_about} settings are one section now, "
+            raise ValueError(f"{', '.join(flat)}: the {section} settings are one section now, "
                              f"{section}={kind}({fields})")
         return data
 

@@ -17,6 +17,7 @@ from pydantic import Field, model_validator
 from shared.coord import CoordSettings
 from shared.dtypes import ModelDtype
 from shared.kv import KVSettings
+from shared.sampling import FLAT_SAMPLING_NAMES, SamplingSettings
 from shared.settings import ModelServiceSettings
 
 # The flat names of the `kv` section's fields before it was one (deprecated; FlatAliases).
@@ -56,8 +57,8 @@ class RolloutSettings(ModelServiceSettings):
     # Lease-driven worker loop (on when redis_url is set).
     worker_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     advertise_url: str = ""  # how others reach this worker's HTTP API (shown on the dashboard)
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    # How the worker samples; must equal the trainer's (shared.sampling, shared.agreement).
+    sampling: SamplingSettings = Field(default_factory=SamplingSettings)
     max_new_tokens: int | None = Field(default=None, ge=1, description="default: the task's own")
     coord: CoordSettings = Field(default_factory=CoordSettings)
     # The worker credential (SPARSECAST_WORKER_TOKEN): every trajectory is signed with it
@@ -68,8 +69,7 @@ class RolloutSettings(ModelServiceSettings):
     # generation batch (or a model load) must fit in it (docs/coordination.md).
     stall_s: float = Field(default=600.0, gt=0)
 
-    flat_aliases = FLAT_KV_NAMES
-    flat_aliases_about = "KV"
+    flat_aliases = FLAT_KV_NAMES | FLAT_SAMPLING_NAMES
 
     @model_validator(mode="after")
     def _relay_needs_its_addresses(self) -> RolloutSettings:

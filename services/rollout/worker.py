@@ -211,7 +211,8 @@ class RolloutWorker:
     async def _run_engine(self, runnable: list[tuple[Lease, list[int]]]) -> Batch:
         max_new = max(self._max_new_tokens(lease) for lease, _ in runnable)
         prompts = [ids for lease, ids in runnable for _ in range(lease.group.samples)]
-        params = SamplingParams(temperature=self.settings.temperature, top_p=self.settings.top_p,
+        sampling = self.settings.sampling
+        params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
                                 max_new_tokens=max_new, stop_token_ids=self.core.default_stop_ids(),
                                 seed=batch_seed([lease for lease, _ in runnable]))
         return await self.core.generate(prompts, params)  # the KV budget of the weights it runs on
@@ -247,7 +248,8 @@ class RolloutWorker:
     def _sampling(self, kv: KVConfig | None = None) -> SamplingInfo:
         """How this worker samples (the trainer refuses trajectories sampled otherwise than it
         assumes); `kv`: what a batch ran with (default: what the next batch would use)."""
-        return sampling_info(kv or self.core.kv_config(), self.settings.temperature, self.settings.top_p,
+        sampling = self.settings.sampling
+        return sampling_info(kv or self.core.kv_config(), sampling.temperature, sampling.top_p,
                              self.core.engine.name)
 
     def _trajectory(self, lease: Lease, prompt_ids: list[int], outputs: list, batch: Batch) -> Trajectory:

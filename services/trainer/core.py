@@ -366,7 +366,7 @@ class Trainer:
 
     def sampling_mismatch(self, trajectory: Trajectory) -> str | None:
         """Why the trainer cannot correct for how this trajectory was sampled, or None (shared.agreement)."""
-        return sampling_mismatch(self.settings, trajectory.sampling)
+        return sampling_mismatch(self.settings.sampling, trajectory.sampling)
 
     def _accept(self, trajectory: Trajectory) -> bool:
         """Train only admitted data sampled as assumed: the sampling contract, then admission

@@ -97,7 +97,7 @@ class LearnerConfig:
     def of(cls, settings: TrainerSettings) -> LearnerConfig:
         return cls(optim=settings.optim, loss=settings.loss, device=settings.device, seed=settings.seed,
                    micro_batch=settings.micro_batch, ppo_updates=settings.ppo_updates,
-                   temperature=settings.temperature, bf16_autocast=settings.bf16_autocast,
+                   temperature=settings.sampling.temperature, bf16_autocast=settings.bf16_autocast,
                    activation_checkpointing=settings.activation_checkpointing,
                    measure_batch_gain=settings.measure_batch_gain, patch_encoding=settings.patch_encoding)
 

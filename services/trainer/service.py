@@ -271,7 +271,7 @@ class TrainerService:
             "max_steps": settings.max_steps,
             "queue": stats,
             # A worker whose samples this trainer would refuse says why (shared.agreement, admission).
-            "workers": [w.model_dump() | {"disagreement": sampling_mismatch(settings, w.sampling)
+            "workers": [w.model_dump() | {"disagreement": sampling_mismatch(settings.sampling, w.sampling)
                                           or worker_refusal(w, settings.worker_token),
                                           "leases_held": held.get(w.worker_id, 0)} for w in workers],
             "redis_error": redis_error,

@@ -16,6 +16,7 @@ from services.trainer.loss import LossConfig
 from services.trainer.optim import OptimSettings
 from shared.coord import CoordSettings
 from shared.patch.codec import Encoding
+from shared.sampling import FLAT_SAMPLING_NAMES, SamplingSettings
 from shared.settings import ModelServiceSettings
 
 # The flat names of the `optim` section's fields before it was one (deprecated; FlatAliases).
@@ -52,10 +53,9 @@ class TrainerSettings(ModelServiceSettings):
     # tiny demo model needs a larger lr to move within minutes: services.trainer.optim.DEMO_OPTIM).
     optim: OptimSettings = Field(default_factory=OptimSettings)
     loss: LossConfig = Field(default_factory=LossConfig)
-    # Must equal the workers' sampling temperature and top-p: logp_old_dense is recomputed at this
+    # Must equal the workers' (one section, shared.sampling): logp_old_dense is recomputed at this
     # temperature over the full vocabulary; trajectories sampled otherwise are refused and counted.
-    temperature: float = Field(default=1.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    sampling: SamplingSettings = Field(default_factory=SamplingSettings)
     groups_per_step: int = Field(default=16, ge=1)
     micro_batch: int = Field(default=64, ge=1, description="sequences per forward/backward pass")
     # Optimizer steps per rollout batch, each on a shuffled 1/N of its sequences: the PPO ratio then
@@ -113,5 +113,4 @@ class TrainerSettings(ModelServiceSettings):
     # min_budget and max_budget to hold `metric` at `target`. SPARSECAST_KV_CONTROL__MODE=adaptive, ...
     kv_control: KVControlSettings = Field(default_factory=KVControlSettings)
 
-    flat_aliases = FLAT_OPTIM_NAMES
-    flat_aliases_about = "optimizer"
+    flat_aliases = FLAT_OPTIM_NAMES | FLAT_SAMPLING_NAMES

@@ -26,6 +26,7 @@ from services.trainer.settings import TrainerSettings
 from shared.coord import CoordSettings
 from shared.kv import KVSettings
 from shared.ports import free_port
+from shared.sampling import SamplingSettings
 from tests.conftest import serve_app
 
 TOKEN = "fault-token"
@@ -109,7 +110,8 @@ class Stack:
     def add_worker(self, name: str) -> str:
         settings = RolloutSettings(model="", registry_url=self.registry_url, run=self.run, device="cpu",
                                    redis_url=self.redis_url, redis_prefix=PREFIX, worker_id=name,
-                                   kv=KVSettings(policy="dense"), max_new_tokens=8, temperature=1.0,
+                                   kv=KVSettings(policy="dense"), max_new_tokens=8,
+                                   sampling=SamplingSettings(temperature=1.0),
                                    data_dir=str(self.tmp / name), sync_poll_s=0.2, coord=COORD,
                                    **self.worker_overrides)
         url = self._exit.enter_context(serve_app(create_rollout(settings)))

@@ -145,7 +145,7 @@ def test_worker_killed_mid_batch_leaves_its_lease_to_be_reclaimed(
         # EOS, so both samples run the full 4000 tokens (seconds, not the sub-second a sampled
         # sequence takes to hit EOS by chance).
         "SPARSECAST_MAX_NEW_TOKENS": "4000",
-        "SPARSECAST_TEMPERATURE": "0",
+        "SPARSECAST_SAMPLING__TEMPERATURE": "0",
         "SPARSECAST_COORD__LEASE_TTL_S": "2.0",
         "SPARSECAST_DATA_DIR": str(tmp_path),
     }

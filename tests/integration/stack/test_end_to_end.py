@@ -20,6 +20,7 @@ from services.trainer.optim import OptimSettings
 from services.trainer.settings import TrainerSettings
 from shared.coord import CoordSettings
 from shared.kv import KVSettings
+from shared.sampling import SamplingSettings
 from shared.tasks import get_task
 from tests.conftest import serve_app
 from tests.paths import REPO_ROOT
@@ -85,7 +86,7 @@ def run_training(
             micro_batch=32,
             max_steps=steps,
             seed=0,
-            temperature=1.0,
+            sampling=SamplingSettings(temperature=1.0),
             loss=LossConfig(),
             checkpoint_every=0,
             measure_batch_gain=True,
@@ -117,7 +118,7 @@ def run_training(
                 redis_prefix=redis_prefix,
                 worker_id="w-e2e",
                 kv=KVSettings(policy="rkv", budget=kv_budget, buffer=kv_buffer),
-                temperature=1.0,
+                sampling=SamplingSettings(temperature=1.0),
                 data_dir=str(tmp_path / "w"),
                 sync_poll_s=0.2,
                 coord=coord,

@@ -27,6 +27,7 @@ from shared.kv import KVSettings
 from shared.patch import save_snapshot
 from shared.ports import free_port
 from shared.registry.wire import MODEL_FILES
+from shared.sampling import SamplingSettings
 from shared.schemas import PromptGroup
 from tests.conftest import build_tiny_model_dir, serve_app
 from tests.integration.fault_stack import AUTH, PREFIX, TOKEN, Stack, get, metric, wait_for
@@ -210,7 +211,7 @@ def test_liveness_fails_when_a_loop_dies_or_sticks(tmp_path: Path, tiny_model_di
         worker_id="stuck",
         kv=KVSettings(policy="dense"),
         max_new_tokens=4,
-        temperature=0,
+        sampling=SamplingSettings(temperature=0),
         stall_s=2.5,
         data_dir=str(tmp_path),
     )

@@ -15,8 +15,8 @@ import yaml
 from pydantic import BaseModel
 
 from services.registry.settings import RegistrySettings
-from services.rollout.settings import FLAT_KV_NAMES, RolloutSettings
-from services.trainer.settings import FLAT_OPTIM_NAMES, TrainerSettings
+from services.rollout.settings import RolloutSettings
+from services.trainer.settings import TrainerSettings
 from tests.paths import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -24,7 +24,9 @@ NAME = re.compile(r"\bSPARSECAST_[A-Z0-9_]+\b")
 SETTINGS = (RegistrySettings, RolloutSettings, TrainerSettings)
 # Flat names a nested setting keeps as a deprecated alias for now (shared.settings.FlatAliases):
 # the services still read them, our own deploy files must not set them.
-DEPRECATED_ALIASES = {f"SPARSECAST_{flat.upper()}" for flat in (*FLAT_KV_NAMES, *FLAT_OPTIM_NAMES)}
+DEPRECATED_ALIASES = {
+    f"SPARSECAST_{flat.upper()}" for flat in (*RolloutSettings.flat_aliases, *TrainerSettings.flat_aliases)
+}
 
 
 def deploy_files() -> list[Path]:

@@ -61,7 +61,7 @@ def test_every_flat_name_is_an_alias_and_the_nested_one_wins(monkeypatch: pytest
 
 
 def test_flat_keywords_and_engine_fields_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ValidationError, match="kv_budget: the KV settings are one section now"):
+    with pytest.raises(ValidationError, match="kv_budget: the kv settings are one section now"):
         RolloutSettings(kv_budget=48)  # type: ignore[call-arg]
     monkeypatch.setenv("SPARSECAST_KV__WINDOW", "4")  # an engine constant, not a worker setting
     with pytest.raises(ValidationError, match="kv.window"):

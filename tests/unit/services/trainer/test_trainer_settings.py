@@ -17,6 +17,7 @@ from services.trainer.learner import Learner, LearnerConfig
 from services.trainer.loss import LossConfig
 from services.trainer.optim import DEMO_OPTIM, OptimSettings
 from services.trainer.settings import FLAT_OPTIM_NAMES, TrainerSettings
+from shared.sampling import SamplingSettings
 from shared.settings_help import settings_help, settings_rows
 
 
@@ -61,7 +62,7 @@ def test_every_flat_name_is_an_alias_and_the_nested_one_wins(monkeypatch: pytest
 
 
 def test_flat_keywords_and_bad_values_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ValidationError, match=r"lr: the optimizer settings are one section now"):
+    with pytest.raises(ValidationError, match=r"lr: the optim settings are one section now"):
         TrainerSettings(lr=1e-3)  # type: ignore[call-arg]
     with pytest.raises(ValidationError, match=r"beta1, grad_clip: .*\(beta1=..., grad_clip=...\)"):
         TrainerSettings(grad_clip=2.0, beta1=0.5)  # type: ignore[call-arg]
@@ -99,9 +100,12 @@ def test_the_learner_takes_its_sections_not_the_settings() -> None:
         config = parameters[1] if parameters[0].name == "self" else parameters[0]
         assert (config.name, config.annotation) == ("config", "LearnerConfig")
     settings = TrainerSettings(optim=OptimSettings(lr=3e-4, grad_clip=0.5), loss=LossConfig(kl_coef=0.1),
-                               micro_batch=8, ppo_updates=2, temperature=0.7, seed=5, patch_encoding="auto")
+                               micro_batch=8, ppo_updates=2, sampling=SamplingSettings(temperature=0.7),
+                               seed=5, patch_encoding="auto")
     config = LearnerConfig.of(settings)
     assert config.optim is settings.optim and config.loss is settings.loss
     # Everything else it reads is a trainer setting of the same name, copied as is.
-    others = [f.name for f in dataclasses.fields(LearnerConfig) if f.name not in ("optim", "loss")]
+    assert config.temperature == settings.sampling.temperature == 0.7  # its one field of `sampling`
+    sections = ("optim", "loss", "temperature")
+    others = [f.name for f in dataclasses.fields(LearnerConfig) if f.name not in sections]
     assert [getattr(config, name) for name in others] == [getattr(settings, name) for name in others]

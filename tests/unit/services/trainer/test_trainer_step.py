@@ -15,6 +15,7 @@ from services.trainer.learner import Learner, LearnerConfig, published_state
 from services.trainer.optim import OptimSettings
 from services.trainer.settings import TrainerSettings
 from shared.patch import apply_patch, extract_patch, fingerprint, read_header
+from shared.sampling import SamplingSettings
 from shared.schemas import KVStats, Sample, SamplingInfo, Trajectory
 
 
@@ -186,7 +187,7 @@ def test_trainer_refuses_trajectories_sampled_otherwise(tiny_model_dir: str, tmp
     # The sampling contract alone: these synthetic groups were never admitted (admission's own
     # tests: tests/unit/services/trainer/test_admission.py and the forged-trajectory tests).
     monkeypatch.setattr("services.trainer.core.refusal", lambda *args, **kwargs: None)
-    trainer = _trainer(tiny_model_dir, tmp_path, temperature=1.0)
+    trainer = _trainer(tiny_model_dir, tmp_path, sampling=SamplingSettings(temperature=1.0))
     good = _trajectories(vocab=90, groups=1)[0].model_copy(update={"sampling": SamplingInfo(temperature=1.0)})
     assert trainer.sampling_mismatch(good) is None
     hot = good.model_copy(update={"sampling": SamplingInfo(temperature=0.7)})
