@@ -307,7 +307,7 @@ class Stack:
                 "SPARSECAST_KV__BUDGET": str(self.o.kv_budget),
                 "SPARSECAST_KV__BUFFER": str(self.kv_buffer),
                 "SPARSECAST_KV__KEEP_PROMPT": str(self.o.kv_keep_prompt).lower(),
-                "SPARSECAST_SYNC_POLL_S": "0.5",
+                "SPARSECAST_SYNC__POLL_S": "0.5",
                 "OMP_NUM_THREADS": "1",
             }
             self.python(f"rollout-{n}", "services.rollout", env)

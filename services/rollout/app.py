@@ -41,7 +41,7 @@ def create_app(settings: RolloutSettings | None = None, core: RolloutCore | None
                          responses=error_responses(422),
                          description="Sparse-KV generation, an OpenAI completions subset, live weight sync.")
     install_error_handling(app)
-    if settings.relay:  # peers fetch the pieces this worker verified (shared.relay)
+    if settings.sync.relay:  # peers fetch the pieces this worker verified (shared.relay)
         app.add_route(RELAY_PATH, relay_endpoint(service.holdings), methods=["GET"], include_in_schema=False)
     bearer = HTTPBearer(auto_error=False)
     generation = error_responses(400, 401, 413, 503)

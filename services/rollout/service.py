@@ -141,11 +141,12 @@ class RolloutService:
         settings = self.settings
         if not settings.registry_url:
             return None
-        bps = settings.sync_bandwidth_mbps * 1e6 if settings.sync_bandwidth_mbps else None
-        client = RegistryClient(settings.registry_url, settings.run, streams=settings.sync_streams,
+        sync = settings.sync
+        bps = sync.bandwidth_mbps * 1e6 if sync.bandwidth_mbps else None
+        client = RegistryClient(settings.registry_url, settings.run, streams=sync.streams,
                                 bandwidth_bps=bps, redis_url=settings.redis_url,
                                 redis_prefix=settings.redis_prefix, token=settings.registry_token)
-        if settings.relay:
+        if sync.relay:
             client.downloader.relay = Relay(settings.worker_id, settings.advertise_url, self.holdings)
         return client
 
@@ -164,7 +165,7 @@ class RolloutService:
                     self.core.swap_observers.append(self.metrics.swap_pause.observe)
                 if self.core.weights.version < 0 and client is not None:
                     # local weights that are no published version
-                    await WeightSync(self.core, client, poll_s=settings.sync_poll_s).sync_to(None)
+                    await WeightSync(self.core, client, poll_s=settings.sync.poll_s).sync_to(None)
             except Exception as exc:
                 first_try.set()
                 # No good path to the head now (a corrupt object: the sync failed, or no plan
@@ -182,7 +183,7 @@ class RolloutService:
         self.waiting = None
         core = self.core
         if client is not None:
-            self.sync = WeightSync(core, client, poll_s=settings.sync_poll_s, registry=self.registry_outage,
+            self.sync = WeightSync(core, client, poll_s=settings.sync.poll_s, registry=self.registry_outage,
                                    liveness=self.liveness)
             task = asyncio.create_task(self.sync.run(stop))
             self.liveness.watch(SYNC_LOOP, task, settings.stall_s, progress=lambda: client.counters.bytes)

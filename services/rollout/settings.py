@@ -12,7 +12,7 @@ import os
 import socket
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.coord import CoordSettings
 from shared.dtypes import ModelDtype
@@ -20,10 +20,28 @@ from shared.kv import KVSettings
 from shared.sampling import FLAT_SAMPLING_NAMES, SamplingSettings
 from shared.settings import ModelServiceSettings
 
-# The flat names of the `kv` section's fields before it was one (deprecated; FlatAliases).
+# The flat names of the `kv` and `sync` sections' fields before they were sections (deprecated;
+# FlatAliases).
 FLAT_KV_NAMES: dict[str, tuple[str, str]] = {
     f"kv_{field}": ("kv", field) for field in ("policy", "budget", "buffer", "keep_prompt", "layer_budgets")
 }
+FLAT_SYNC_NAMES: dict[str, tuple[str, str]] = {
+    "sync_streams": ("sync", "streams"), "sync_bandwidth_mbps": ("sync", "bandwidth_mbps"),
+    "sync_poll_s": ("sync", "poll_s"), "relay": ("sync", "relay"),
+}
+
+
+class SyncSettings(BaseModel):
+    """How a worker follows the registry's versions (on when registry_url is set)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    streams: int = Field(default=4, ge=1, description="parallel download streams")
+    bandwidth_mbps: float | None = Field(default=None, gt=0, description="emulate a slow link")
+    poll_s: float = Field(default=2.0, gt=0, description="polling fallback when Redis is not there")
+    # Relay fan-out (shared.relay): serve verified pieces to peers at advertise_url and fetch from
+    # peers first; announcing to the registry needs registry_token.
+    relay: bool = False
 
 
 class RolloutSettings(ModelServiceSettings):
@@ -45,13 +63,9 @@ class RolloutSettings(ModelServiceSettings):
     max_new_tokens_limit: int = Field(default=4096, ge=1)
     # api_token: if set, /v1/generate and /v1/completions need it as a bearer token.
 
-    # Weight sync (on when registry_url is set).
-    sync_streams: int = Field(default=4, ge=1)
-    sync_bandwidth_mbps: float | None = Field(default=None, gt=0, description="emulate a slow link")
-    sync_poll_s: float = Field(default=2.0, gt=0)
-    # Relay fan-out (shared.relay): serve verified pieces to peers at advertise_url and fetch from
-    # peers first; announcing to the registry needs its token.
-    relay: bool = False
+    # Weight sync (on when registry_url is set); registry_token: the worker's token for relay
+    # announcements to the registry.
+    sync: SyncSettings = Field(default_factory=SyncSettings)
     registry_token: str | None = None
 
     # Lease-driven worker loop (on when redis_url is set).
@@ -69,11 +83,11 @@ class RolloutSettings(ModelServiceSettings):
     # generation batch (or a model load) must fit in it (docs/coordination.md).
     stall_s: float = Field(default=600.0, gt=0)
 
-    flat_aliases = FLAT_KV_NAMES | FLAT_SAMPLING_NAMES
+    flat_aliases = FLAT_KV_NAMES | FLAT_SYNC_NAMES | FLAT_SAMPLING_NAMES
 
     @model_validator(mode="after")
     def _relay_needs_its_addresses(self) -> RolloutSettings:
-        if self.relay and not (self.registry_url and self.advertise_url and self.registry_token):
+        if self.sync.relay and not (self.registry_url and self.advertise_url and self.registry_token):
             raise ValueError("relay needs registry_url, advertise_url (where peers reach this worker) "
                              "and registry_token (to announce to the registry)")
         return self

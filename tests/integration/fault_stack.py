@@ -18,7 +18,7 @@ import httpx
 from services.registry.app import create_app as create_registry
 from services.registry.settings import RegistrySettings
 from services.rollout.app import create_app as create_rollout
-from services.rollout.settings import RolloutSettings
+from services.rollout.settings import RolloutSettings, SyncSettings
 from services.trainer.app import create_app as create_trainer
 from services.trainer.ledger import LEDGER_FILE
 from services.trainer.optim import OptimSettings
@@ -112,7 +112,7 @@ class Stack:
                                    redis_url=self.redis_url, redis_prefix=PREFIX, worker_id=name,
                                    kv=KVSettings(policy="dense"), max_new_tokens=8,
                                    sampling=SamplingSettings(temperature=1.0),
-                                   data_dir=str(self.tmp / name), sync_poll_s=0.2, coord=COORD,
+                                   data_dir=str(self.tmp / name), sync=SyncSettings(poll_s=0.2), coord=COORD,
                                    **self.worker_overrides)
         url = self._exit.enter_context(serve_app(create_rollout(settings)))
         self.workers.append(url)

@@ -26,7 +26,7 @@ from services.cli import build_parser, list_benches, parse_args
 from services.registry.app import create_app as create_registry
 from services.registry.settings import RegistrySettings
 from services.rollout.app import create_app as create_rollout
-from services.rollout.settings import RolloutSettings
+from services.rollout.settings import RolloutSettings, SyncSettings
 from services.trainer.app import create_app as create_trainer
 from services.trainer.optim import OptimSettings
 from services.trainer.settings import TrainerSettings
@@ -63,7 +63,7 @@ def stack(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
             worker = RolloutSettings(
                 model="", registry_url=registry_url, run=RUN, device="cpu", redis_url=REDIS_URL,
                 redis_prefix=prefix, worker_id="w-docs", kv=KVSettings(policy="rkv", budget=32, buffer=2),
-                data_dir=str(tmp / "worker"), sync_poll_s=0.2, coord=coord, api_token=TOKEN,
+                data_dir=str(tmp / "worker"), sync=SyncSettings(poll_s=0.2), coord=coord, api_token=TOKEN,
                 # Short answers keep 9 steps of the random tiny model to seconds.
                 max_new_tokens=16,
             )

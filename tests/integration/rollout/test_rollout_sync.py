@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from services.registry.app import create_app as create_registry
 from services.registry.settings import RegistrySettings
 from services.rollout.app import create_app as create_rollout
-from services.rollout.settings import RolloutSettings
+from services.rollout.settings import RolloutSettings, SyncSettings
 from shared.coord import Coordinator, CoordSettings
 from shared.kv import KVSettings
 from shared.patch import extract_patch, fingerprint, save_snapshot
@@ -82,7 +82,7 @@ def test_patch_applied_mid_stream(tmp_path: Path, tiny_model_dir: str) -> None:
 
         def rollout_settings(name: str) -> RolloutSettings:
             return RolloutSettings(model="", registry_url=registry_url, run=run, device="cpu", redis_url="",
-                                   data_dir=str(tmp_path / name), sync_poll_s=0.1,
+                                   data_dir=str(tmp_path / name), sync=SyncSettings(poll_s=0.1),
                                    kv=KVSettings(policy="dense"))
 
         long_request = {"prompts": ["1234+5678="], "n": 2, "max_tokens": 120, "temperature": 1.0, "seed": 11,

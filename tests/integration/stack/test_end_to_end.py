@@ -13,7 +13,7 @@ import httpx
 from services.registry.app import create_app as create_registry
 from services.registry.settings import RegistrySettings
 from services.rollout.app import create_app as create_rollout
-from services.rollout.settings import RolloutSettings
+from services.rollout.settings import RolloutSettings, SyncSettings
 from services.trainer.app import create_app as create_trainer
 from services.trainer.loss import LossConfig
 from services.trainer.optim import OptimSettings
@@ -120,7 +120,7 @@ def run_training(
                 kv=KVSettings(policy="rkv", budget=kv_budget, buffer=kv_buffer),
                 sampling=SamplingSettings(temperature=1.0),
                 data_dir=str(tmp_path / "w"),
-                sync_poll_s=0.2,
+                sync=SyncSettings(poll_s=0.2),
                 coord=coord,
             )
             with serve_app(create_rollout(worker)) as worker_url:

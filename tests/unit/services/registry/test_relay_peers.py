@@ -63,11 +63,11 @@ def test_rollout_relay_settings_and_route() -> None:
     from pydantic import ValidationError
 
     from services.rollout.app import create_app
-    from services.rollout.settings import RolloutSettings
+    from services.rollout.settings import RolloutSettings, SyncSettings
 
     with pytest.raises(ValidationError, match="relay needs"):
-        RolloutSettings(relay=True, registry_url="http://r:8100")
-    settings = RolloutSettings(relay=True, registry_url="http://r:8100", advertise_url="http://w:8200",
+        RolloutSettings(sync=SyncSettings(relay=True), registry_url="http://r:8100")
+    settings = RolloutSettings(sync=SyncSettings(relay=True), registry_url="http://r:8100", advertise_url="http://w:8200",
                                registry_token="t")
     http = TestClient(create_app(settings))  # no lifespan: no model, only the routes
     answer = http.get("/v1/relay/run1/pieces", params={"key": "patches/0-1.patch", "first": 0})

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from services.rollout.core import RolloutCore, WeightState
 from services.rollout.engine.config import KVConfig
-from services.rollout.settings import FLAT_KV_NAMES, RolloutSettings
+from services.rollout.settings import FLAT_KV_NAMES, RolloutSettings, SyncSettings
 from shared.kv import DEFAULT_KV_BUDGET, DEFAULT_KV_BUFFER, KVSettings
 from shared.settings_help import settings_help, settings_rows
 
@@ -130,3 +130,17 @@ def test_help_lists_the_kv_section() -> None:
     }
     text = settings_help("python -m services.rollout", "A rollout worker.", RolloutSettings)
     assert "SPARSECAST_KV__BUDGET" in text and "tokens kept after each compression" in text
+
+
+def test_the_sync_section_and_its_flat_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert RolloutSettings().sync == SyncSettings(streams=4, bandwidth_mbps=None, poll_s=2.0, relay=False)
+    flat = {"sync_streams", "sync_bandwidth_mbps", "sync_poll_s", "relay"}
+    assert not flat & set(RolloutSettings.model_fields)
+    monkeypatch.setenv("SPARSECAST_SYNC__POLL_S", "0.5")
+    monkeypatch.setenv("SPARSECAST_SYNC_STREAMS", "8")  # deprecated, still read
+    monkeypatch.setenv("SPARSECAST_SYNC_POLL_S", "9")  # the nested name wins
+    assert RolloutSettings().sync == SyncSettings(streams=8, poll_s=0.5)
+    with pytest.raises(ValidationError, match=r"relay: the sync settings are one section now"):
+        RolloutSettings(relay=True)  # type: ignore[call-arg]
+    rows = {variable for variable, _, _, _ in settings_rows(RolloutSettings)}
+    assert {"SPARSECAST_SYNC__STREAMS", "SPARSECAST_SYNC__RELAY"} <= rows and "SPARSECAST_RELAY" not in rows
