@@ -247,7 +247,7 @@ class Trainer:
                     metrics = await asyncio.to_thread(self.train_step, trajectories)
                     metrics["train_seconds"] = time.perf_counter() - t0
                     t_capture = time.perf_counter()
-                    every = self.settings.upload_snapshot_every
+                    every = self.settings.publish.snapshot_every
                     snapshot = bool(every and target % every == 0)
                     captured = await asyncio.to_thread(self.learner.capture, snapshot)
                     metrics["capture_seconds"] = time.perf_counter() - t_capture

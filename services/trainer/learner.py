@@ -99,7 +99,7 @@ class LearnerConfig:
                    micro_batch=settings.micro_batch, ppo_updates=settings.ppo_updates,
                    temperature=settings.sampling.temperature, bf16_autocast=settings.bf16_autocast,
                    activation_checkpointing=settings.activation_checkpointing,
-                   measure_batch_gain=settings.measure_batch_gain, patch_encoding=settings.patch_encoding)
+                   measure_batch_gain=settings.measure_batch_gain, patch_encoding=settings.publish.encoding)
 
 
 @dataclass

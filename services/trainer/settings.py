@@ -9,7 +9,7 @@ with a deprecation warning; in Python, `optim=OptimSettings(...)` is the only wa
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from services.trainer.kv_budget import KVControlSettings
 from services.trainer.loss import LossConfig
@@ -22,6 +22,28 @@ from shared.settings import ModelServiceSettings
 # The flat names of the `optim` section's fields before it was one (deprecated; FlatAliases).
 FLAT_OPTIM_NAMES: dict[str, tuple[str, str]] = {
     field: ("optim", field) for field in ("lr", "weight_decay", "beta1", "beta2", "grad_clip")
+}
+
+
+class PublishSettings(BaseModel):
+    """What the trainer publishes to the registry with each version."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # How patches are encoded (docs/patch-format.md): "zstd" picks values or bitdelta per tensor
+    # (fast: ~0.1 s to build or apply the demo model's patch on 2 cores); "auto" also tries ctxans,
+    # the context-modelled coder, 0.74-0.78x the i.i.d. entropy floor on the 1.7B shape (10-40 %
+    # fewer bytes than bitdelta) but ~4-5x slower to encode and decode: worth it on slow links. The
+    # sharded (FSDP) writer uses "zstd" whatever is set here.
+    encoding: Encoding = "zstd"
+    # Snapshots the trainer uploads itself every N versions (0: none); not the registry's
+    # SPARSECAST_SNAPSHOT_EVERY, which has the registry build them from the patches.
+    snapshot_every: int = Field(default=0, ge=0)
+
+
+# The flat names of the `publish` section's fields before it was one (deprecated; FlatAliases).
+FLAT_PUBLISH_NAMES: dict[str, tuple[str, str]] = {
+    "patch_encoding": ("publish", "encoding"), "upload_snapshot_every": ("publish", "snapshot_every"),
 }
 
 
@@ -83,15 +105,7 @@ class TrainerSettings(ModelServiceSettings):
     # metrics as heldout_accuracy / heldout_reward. 0 = off.
     eval_every: int = Field(default=0, ge=0)
     eval_prompts: int = Field(default=128, ge=1)
-    # How patches are encoded (docs/patch-format.md): "zstd" picks values or bitdelta per tensor
-    # (fast: ~0.1 s to build or apply the demo model's patch on 2 cores); "auto" also tries ctxans,
-    # the context-modelled coder, 0.74-0.78x the i.i.d. entropy floor on the 1.7B shape (10-40 %
-    # fewer bytes than bitdelta) but ~4-5x slower to encode and decode: worth it on slow links. The
-    # sharded (FSDP) writer uses "zstd" whatever is set here.
-    patch_encoding: Encoding = "zstd"
-    # Snapshots the trainer uploads itself every N versions (0: none); not the registry's
-    # SPARSECAST_SNAPSHOT_EVERY, which has the registry build them from the patches.
-    upload_snapshot_every: int = Field(default=0, ge=0)
+    publish: PublishSettings = Field(default_factory=PublishSettings)
     seed: int = 0
     # Request limits of POST /v1/prompts (why: docs/coordination.md, "Bad input"): the body (413
     # over it, checked while it streams in) and each prompt's fields (422).
@@ -113,4 +127,4 @@ class TrainerSettings(ModelServiceSettings):
     # min_budget and max_budget to hold `metric` at `target`. SPARSECAST_KV_CONTROL__MODE=adaptive, ...
     kv_control: KVControlSettings = Field(default_factory=KVControlSettings)
 
-    flat_aliases = FLAT_OPTIM_NAMES | FLAT_SAMPLING_NAMES
+    flat_aliases = FLAT_OPTIM_NAMES | FLAT_PUBLISH_NAMES | FLAT_SAMPLING_NAMES

@@ -16,7 +16,7 @@ from services.trainer.distributed import DistributedLearner, make_learner
 from services.trainer.learner import Learner, LearnerConfig
 from services.trainer.loss import LossConfig
 from services.trainer.optim import DEMO_OPTIM, OptimSettings
-from services.trainer.settings import FLAT_OPTIM_NAMES, TrainerSettings
+from services.trainer.settings import FLAT_OPTIM_NAMES, PublishSettings, TrainerSettings
 from shared.sampling import SamplingSettings
 from shared.settings_help import settings_help, settings_rows
 
@@ -101,11 +101,26 @@ def test_the_learner_takes_its_sections_not_the_settings() -> None:
         assert (config.name, config.annotation) == ("config", "LearnerConfig")
     settings = TrainerSettings(optim=OptimSettings(lr=3e-4, grad_clip=0.5), loss=LossConfig(kl_coef=0.1),
                                micro_batch=8, ppo_updates=2, sampling=SamplingSettings(temperature=0.7),
-                               seed=5, patch_encoding="auto")
+                               seed=5, publish=PublishSettings(encoding="auto"))
     config = LearnerConfig.of(settings)
     assert config.optim is settings.optim and config.loss is settings.loss
     # Everything else it reads is a trainer setting of the same name, copied as is.
     assert config.temperature == settings.sampling.temperature == 0.7  # its one field of `sampling`
-    sections = ("optim", "loss", "temperature")
+    assert config.patch_encoding == settings.publish.encoding == "auto"
+    sections = ("optim", "loss", "temperature", "patch_encoding")
     others = [f.name for f in dataclasses.fields(LearnerConfig) if f.name not in sections]
     assert [getattr(config, name) for name in others] == [getattr(settings, name) for name in others]
+
+
+def test_the_publish_section_and_its_flat_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert TrainerSettings().publish == PublishSettings(encoding="zstd", snapshot_every=0)
+    assert not {"patch_encoding", "upload_snapshot_every"} & set(TrainerSettings.model_fields)
+    monkeypatch.setenv("SPARSECAST_PUBLISH__ENCODING", "auto")
+    monkeypatch.setenv("SPARSECAST_UPLOAD_SNAPSHOT_EVERY", "5")  # deprecated, still read
+    monkeypatch.setenv("SPARSECAST_PATCH_ENCODING", "values")  # the nested name wins
+    assert TrainerSettings().publish == PublishSettings(encoding="auto", snapshot_every=5)
+    with pytest.raises(ValidationError, match=r"patch_encoding: the publish settings are one section now"):
+        TrainerSettings(patch_encoding="auto")  # type: ignore[call-arg]
+    monkeypatch.setenv("SPARSECAST_PUBLISH__ENCODING", "gzip")
+    with pytest.raises(ValidationError, match="publish.encoding"):
+        TrainerSettings()

@@ -13,7 +13,7 @@ from services.trainer.batching import collate
 from services.trainer.core import Trainer
 from services.trainer.learner import Learner, LearnerConfig, published_state
 from services.trainer.optim import OptimSettings
-from services.trainer.settings import TrainerSettings
+from services.trainer.settings import PublishSettings, TrainerSettings
 from shared.patch import apply_patch, extract_patch, fingerprint, read_header
 from shared.sampling import SamplingSettings
 from shared.schemas import KVStats, Sample, SamplingInfo, Trajectory
@@ -93,7 +93,7 @@ def test_step_changes_a_sparse_set_of_bf16_weights_and_the_patch_is_exact(
     captured = trainer.learner.capture(full_state=True)
     patch = captured.make_patch("r", 0, 1)
     assert patch == extract_patch(before, after, run="r", base_version=0, target_version=1,
-                                  encoding=trainer.settings.patch_encoding)
+                                  encoding=trainer.settings.publish.encoding)
     assert captured.fingerprint == fingerprint(after) == trainer.learner.published_fingerprint
     assert captured.state is not None and fingerprint(captured.state) == fingerprint(after)
     header = read_header(patch)
@@ -171,7 +171,8 @@ def test_the_patch_encoding_is_a_setting(tiny_model_dir: str, tmp_path: Path) ->
     """zstd (the default) codes values/bitdelta only; ctxans is what the setting asks for, and
     both apply to the same exact weights."""
     for encoding, allowed in (("zstd", {"values", "bitdelta"}), ("ctxans", {"ctxans"})):
-        learner = _learner(tiny_model_dir, tmp_path / encoding, lr=1e-5, patch_encoding=encoding)
+        publish = PublishSettings(encoding=encoding)
+        learner = _learner(tiny_model_dir, tmp_path / encoding, lr=1e-5, publish=publish)
         before = {k: v.clone() for k, v in learner.full_published().items()}
         learner.train_step(_trajectories(vocab=90))
         patch = learner.capture().make_patch("r", 0, 1)
