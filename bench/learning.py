@@ -67,6 +67,7 @@ from services.trainer.loss import CorrectionConfig, LossConfig, grpo_advantages,
 from services.trainer.optim import OptimSettings
 from services.trainer.settings import TrainerSettings
 from services.trainer.warmstart import WarmstartRecipe, ensure_warmstart_model
+from shared.sampling import SamplingSettings
 from shared.schemas import Trajectory
 from shared.tasks import Task, get_task
 
@@ -236,7 +237,8 @@ def run_arm(cfg: LearningConfig, arm: str, seed: int, model_dir: Path, budget: i
     settings = TrainerSettings(
         model=str(model_dir), device=cfg.device, seed=seed,
         optim=OptimSettings(lr=cfg.lr, weight_decay=cfg.weight_decay),
-        ppo_updates=cfg.ppo_updates, micro_batch=cfg.micro_batch, temperature=cfg.temperature,
+        ppo_updates=cfg.ppo_updates, micro_batch=cfg.micro_batch,
+        sampling=SamplingSettings(temperature=cfg.temperature),
         loss=loss.model_copy(update={"kl_coef": cfg.kl_coef}),
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
