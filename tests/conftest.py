@@ -53,6 +53,16 @@ def serve_app(app, port: int | None = None, **options) -> Iterator[str]:
 
 
 @pytest.fixture
+def clean_settings_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings tests: no SPARSECAST_* variable of the caller's environment, and every deprecated
+    flat name warned about afresh (shared.settings warns once per process)."""
+    for name in list(os.environ):
+        if name.upper().startswith("SPARSECAST_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setattr("shared.settings._warned_aliases", set())
+
+
+@pytest.fixture
 def redis_url() -> str:
     return REDIS_URL
 

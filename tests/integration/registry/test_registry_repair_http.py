@@ -5,7 +5,6 @@ slow clients are timed out. One test fills a real filesystem (a tmpfs in a user 
 from __future__ import annotations
 
 import asyncio
-import errno
 import os
 import socket
 import subprocess
@@ -25,7 +24,7 @@ from shared.registry.sync import sync_weights
 from shared.retry import transient
 from tests.conftest import serve_app
 from tests.integration.registry_helpers import ROOT, TOKEN, clone, make_chain, registry_process, same, stop
-from tests.mount_namespaces import needs_tmpfs_namespaces
+from tests.mount_namespaces import fill_until_full, needs_tmpfs_namespaces
 from tests.unit.services.registry.test_registry_repair import FullableStore, flip_byte
 
 RUN = "r1"
@@ -187,14 +186,7 @@ def test_a_really_full_filesystem_answers_507_and_recovers(tmp_path: Path) -> No
                 time.sleep(0.2)
         assert put(base, "snapshots/0", chain.snapshot(0)).status_code == 200
         ballast = Path(f"/proc/{proc.pid}/root") / str(store).lstrip("/") / "ballast"
-        fd = os.open(ballast, os.O_WRONLY | os.O_CREAT)  # fill the tmpfs the registry sees
-        try:
-            while True:
-                os.write(fd, bytes(64 << 10))
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC
-        finally:
-            os.close(fd)
+        fill_until_full(ballast, 64 << 10)  # the tmpfs the registry sees
         for _ in range(2):
             r = put(base, "patches/1", chain.patches[1])
             assert r.status_code == 507 and "No space left on device" in r.json()["detail"], r.text

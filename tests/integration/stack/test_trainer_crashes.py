@@ -13,7 +13,6 @@ process, restarted as a supervisor would:
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
 import time
@@ -28,7 +27,7 @@ from shared.ports import free_port
 from shared.tasks import get_task
 from tests.integration.fault_stack import wait_for
 from tests.integration.stack.test_chaos_soak import Service
-from tests.mount_namespaces import needs_tmpfs_namespaces
+from tests.mount_namespaces import fill_until_full, needs_tmpfs_namespaces
 
 TOKEN = "crash-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -241,14 +240,7 @@ def test_a_full_data_dir_is_an_outage_not_an_end(crash_stack) -> None:  # type: 
     submitted = stack.submit(stack.steps * GROUPS_PER_STEP)
     _spin_until(stack.checkpoint_dir(3), timeout=180)
     ballast = stack.trainer_data() / "ballast"
-    fd = os.open(ballast, os.O_WRONLY | os.O_CREAT)
-    try:
-        while True:
-            os.write(fd, bytes(1 << 20))
-    except OSError as exc:
-        assert exc.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
+    fill_until_full(ballast)
 
     def waiting_for_space() -> dict | None:
         r = httpx.get(f"{stack.trainer_url}/readyz", timeout=10)

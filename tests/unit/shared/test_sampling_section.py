@@ -19,14 +19,7 @@ from shared.settings_help import settings_rows
 SERVICES = [TrainerSettings, RolloutSettings]
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
-    for name in os.environ:
-        if name.upper().startswith("SPARSECAST_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setattr("shared.settings._warned_aliases", set())
+pytestmark = pytest.mark.usefixtures("clean_settings_env")
 
 
 def test_one_default_for_trainer_and_workers() -> None:

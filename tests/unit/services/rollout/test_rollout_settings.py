@@ -17,15 +17,7 @@ from services.rollout.settings import FLAT_KV_NAMES, RolloutSettings, SyncSettin
 from shared.kv import DEFAULT_KV_BUDGET, DEFAULT_KV_BUFFER, KVSettings
 from shared.settings_help import settings_help, settings_rows
 
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
-    for name in os.environ:
-        if name.upper().startswith("SPARSECAST_KV"):
-            monkeypatch.delenv(name)
-    monkeypatch.setattr("shared.settings._warned_aliases", set())  # each test sees the first warning
+pytestmark = pytest.mark.usefixtures("clean_settings_env")
 
 
 def test_nested_and_flat_names_set_the_budget(monkeypatch: pytest.MonkeyPatch,

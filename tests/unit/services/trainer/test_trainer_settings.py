@@ -20,15 +20,7 @@ from services.trainer.settings import FLAT_OPTIM_NAMES, PublishSettings, Trainer
 from shared.sampling import SamplingSettings
 from shared.settings_help import settings_help, settings_rows
 
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
-    for name in os.environ:
-        if name.upper().startswith("SPARSECAST_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setattr("shared.settings._warned_aliases", set())  # each test sees the first warning
+pytestmark = pytest.mark.usefixtures("clean_settings_env")
 
 
 def test_nested_and_flat_names_set_the_learning_rate(monkeypatch: pytest.MonkeyPatch,
