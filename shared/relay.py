@@ -11,9 +11,10 @@ once per worker. With a Relay on its client (`client.downloader.relay = Relay(..
    the object once in each direction;
 2. keeps each download in its `Holdings` from the start and serves it while still downloading
    (cut-through): `GET /v1/relay/{run}/pieces?key=&first=&last=` (`relay_app`) answers one stream
-   of the pieces first..last-1 in order, each sent from memory as soon as its sha256 has been
-   verified here (a wait, woken by the verification, not a poll), ending early at a piece that is
-   not verified within `wait_s`; 404 if the object (or its first piece within wait_s) is not held;
+   of the pieces first..last-1 in order, their bytes sent from memory as they land here, before a
+   piece is whole or verified (a wait, woken by each write, not a poll), ending early when no byte
+   more comes within `wait_s`; 404 if the object (or a byte of its first piece within wait_s) is
+   not held;
 3. asks its first peer for all the pieces it lacks in one streamed request and checks each piece
    by its sha256 from the registry's plan as it lands, exactly as a piece from the registry. A
    peer that is slow (no byte within `piece_timeout_s`), dies, refuses (does not hold the object:
@@ -96,16 +97,23 @@ class Holdings:
     async def stream(
         self, download: _Download, first: int, last: int, wait_s: float
     ) -> AsyncIterator[memoryview]:
-        """Pieces first..last-1 in order, each as soon as it is verified here (views of the
-        receive buffer: no copy); stops at a piece not verified within wait_s."""
+        """Pieces first..last-1 in order, their bytes sent on as they land here, before the piece
+        is whole or verified (cut-through: views of the receive buffer, no copy); stops when no
+        byte more comes within wait_s. The asker verifies every piece against the registry's
+        hashes, so bytes that fail here fail there too: that costs the asker this peer, never
+        correctness."""
         view = memoryview(download.buffer)
         for i in range(first, last):
-            if not await download.wait_piece(i, wait_s):
-                return
             start, end = download.piece_range(i)
-            self.served_pieces += 1
-            self.served_bytes += end - start
-            yield view[start:end]
+            sent = 0
+            while sent < end - start:
+                if not await download.wait_bytes(i, sent, wait_s):
+                    return
+                have = download.available(i)
+                self.served_bytes += have - sent
+                self.served_pieces += have == end - start
+                yield view[start + sent : start + have]
+                sent = have
 
 
 RELAY_PATH = "/v1/relay/{run}/pieces"
@@ -122,8 +130,9 @@ def relay_app(holdings: Holdings, wait_s: float = 5.0) -> Any:
 
 def relay_endpoint(holdings: Holdings, wait_s: float = 5.0) -> Any:
     """GET RELAY_PATH?key=&first=&last=: pieces first..last-1 (last defaults to first + 1) as one
-    stream, each sent once verified here; it ends early at a piece not verified within wait_s.
-    404 if the object, or its first piece within wait_s, is not held here; 416 for a range outside
+    stream, their bytes sent as they land here (cut-through); it ends early when no byte more
+    comes within wait_s. 404 if the object, or a byte of its first piece within wait_s, is not
+    held here; 416 for a range outside
     the object; 422 for a malformed one."""
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -138,7 +147,7 @@ def relay_endpoint(holdings: Holdings, wait_s: float = 5.0) -> Any:
         download = holdings.find(run, key)
         if download is not None and not 0 <= first < last <= len(download.done):
             return JSONResponse({"detail": f"{key} has {len(download.done)} pieces"}, status_code=416)
-        if download is None or not await download.wait_piece(first, wait_s):
+        if download is None or not await download.wait_bytes(first, 0, wait_s):
             return JSONResponse({"detail": f"piece {first} of {key!r} is not held here"}, status_code=404)
         return StreamingResponse(holdings.stream(download, first, last, wait_s),
                                  media_type="application/octet-stream")
@@ -562,6 +571,7 @@ class Relay:
         def on_bytes(offset: int, n: int) -> None:
             nonlocal next_piece
             downloader.transport.counters.bytes += n
+            download.landed(offset - n, offset)  # this worker's own askers may take them on
             while next_piece < last and download.piece_range(next_piece)[1] <= offset:
                 check = asyncio.ensure_future(downloader._verify_piece(download, next_piece, refetch=False))
                 check.add_done_callback(caught_lie)

@@ -82,39 +82,71 @@ class _Download:
     buffer: mmap.mmap
     done: list[bool]
     part: Path | None = None
-    # Peers waiting for a piece to be verified (shared.relay), each on its own event loop: a
+    # Per piece, how many of its bytes have landed in the buffer from its start (every stream fills
+    # its pieces in order): what a relay may forward before the piece is whole (cut-through).
+    filled: list[int] = field(default_factory=list)
+    # Peers waiting for bytes or a verified piece (shared.relay), each on its own event loop: a
     # relay endpoint may serve from a server thread while this download runs on another loop.
     _waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.filled = self.filled or [0] * len(self.done)
 
     def piece_range(self, i: int) -> tuple[int, int]:
         start = i * self.ref.piece_bytes
         return start, min(start + self.ref.piece_bytes, self.ref.size)
 
-    def mark_done(self, i: int) -> None:
-        """Piece i is verified: record it and wake whoever waits for a piece."""
-        self.done[i] = True
+    def _wake(self) -> None:
         waiters, self._waiters = self._waiters, []
         for loop, future in waiters:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(_wake, future)
 
-    async def wait_piece(self, i: int, timeout_s: float) -> bool:
-        """True once piece i is verified here; False if it is not within timeout_s."""
+    def mark_done(self, i: int) -> None:
+        """Piece i is verified: record it and wake whoever waits."""
+        self.done[i] = True
+        self._wake()
+
+    def landed(self, start: int, end: int) -> None:
+        """A stream wrote bytes [start, end) of the buffer, continuing where it stood: record how
+        far each piece they touch is filled and wake whoever waits for bytes."""
+        if end <= start:
+            return
+        for i in range(start // self.ref.piece_bytes, (end - 1) // self.ref.piece_bytes + 1):
+            first, last = self.piece_range(i)
+            self.filled[i] = max(self.filled[i], min(end, last) - first)
+        self._wake()
+
+    def available(self, i: int) -> int:
+        """Bytes of piece i that can be sent on: all of it once verified, else what has landed."""
+        start, end = self.piece_range(i)
+        return end - start if self.done[i] else self.filled[i]
+
+    async def _wait(self, ready: Callable[[], bool], timeout_s: float) -> bool:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while not self.done[i]:
+        while not ready():
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return False
             future = loop.create_future()
             self._waiters.append((loop, future))
-            if self.done[i]:  # verified between the check and the append: no wake-up is coming
+            if ready():  # changed between the check and the append: no wake-up is coming
                 break
             try:
                 await asyncio.wait_for(future, remaining)
             except TimeoutError:
                 return False
         return True
+
+    async def wait_piece(self, i: int, timeout_s: float) -> bool:
+        """True once piece i is verified here; False if it is not within timeout_s."""
+        return await self._wait(lambda: self.done[i], timeout_s)
+
+    async def wait_bytes(self, i: int, have: int, timeout_s: float) -> bool:
+        """True once more than `have` bytes of piece i can be sent on; False if none more come
+        within timeout_s."""
+        return await self._wait(lambda: self.available(i) > have, timeout_s)
 
 
 def _sha256(data: bytes | memoryview | bytearray) -> str:
@@ -184,6 +216,7 @@ class Downloader:
                         take = min(len(chunk), end - offset)
                         download.buffer[offset : offset + take] = memoryview(chunk)[:take]
                         offset += take
+                        download.landed(offset - take, offset)
                         self.transport.counters.bytes += len(chunk)
                         while next_piece < last and download.piece_range(next_piece)[1] <= offset:
                             if on_piece is not None:
