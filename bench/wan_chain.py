@@ -6,6 +6,8 @@ fraction that `bench.patch --shape 1.7b --device cuda` measured for its step k (
 patch-cuda-1.7b-h200.json). A one-ulp move is what a sub-ulp Adam step does to a bf16 copy (the
 PULSE mechanism, arXiv 2602.03839); one-ulp deltas code a little smaller than real ones, so the
 default scale (1.15) brings the patch bytes to the measured ones, which are written beside them.
+Versions past the measured steps keep the last measured fraction (the fractions fall from step
+to step, so those patches are if anything larger than a real run's).
 Every patch is a real container (extract_patch), verified on publish.
 
 Output folder:
@@ -71,9 +73,12 @@ def prepare(folder: Path, shape: str, versions: int, run: str, seed: int = 0,
             flip_scale: float = 1.15) -> dict[str, Any]:
     measured = json.loads(Path(MEASURED).read_text())
     fractions = [s["changed_fraction"] * flip_scale for s in measured["per_step"]]
-    measured_bytes = [s["auto_bytes"] for s in measured["per_step"]]
-    if versions > len(fractions):
-        raise ValueError(f"the measured chain has {len(fractions)} steps")
+    measured_bytes: list[int | None] = [s["auto_bytes"] for s in measured["per_step"]]
+    # Past the measured steps the last one's fraction holds (the measured fractions fall step
+    # after step, so later patches are if anything smaller than these): ten versions and more.
+    extra = max(0, versions - len(fractions))
+    fractions += [fractions[-1]] * extra
+    measured_bytes += [None] * extra
     store = folder / "store" / run
     for sub in ("snapshots", "manifests", "merged"):
         (store / sub).mkdir(parents=True, exist_ok=True)
