@@ -298,3 +298,35 @@ def test_header_varints_are_minimal_leb128(patch: bytes, first, match: str) -> N
         tail = varint_encode(torch.tensor(values[1:])).numpy().tobytes()
         return struct.pack("<I", len(values)) + first(values[0]) + tail + rest
     _refused(_mutated(patch, "index", mutate), match)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+
+
+@needs_cuda
+def test_the_gpu_decodes_what_the_cpu_does() -> None:
+    """On a GPU the lanes decode in one Triton kernel (ctxans._decode_lanes), not the torch step
+    loop: the same patches apply bit-exactly there, whichever device coded them."""
+    olds, news = {}, {}
+    for i, n in enumerate((1, 17, 3000, 70_000)):  # one symbol, a partial lane, many lanes
+        olds[f"t{i}"], news[f"t{i}"] = _adam_like(n, 20 + i, lr=3e-4)
+    cpu_patch = extract_patch(olds, news, encoding="ctxans", **VERSION)
+    gpu = {k: v.cuda() for k, v in olds.items()}
+    gpu_patch = extract_patch(gpu, {k: v.cuda() for k, v in news.items()}, encoding="ctxans", **VERSION)
+    for patch in (cpu_patch, gpu_patch):
+        state = {k: v.clone() for k, v in gpu.items()}
+        apply_patch(state, patch)
+        assert all(_same(state[k].cpu(), news[k]) for k in news)
+        state = {k: v.clone() for k, v in olds.items()}
+        apply_patch(state, patch)
+        assert all(_same(state[k], news[k]) for k in news)
+
+
+@needs_cuda
+def test_a_corrupt_lane_is_refused_on_the_gpu(patch: bytes) -> None:
+    data = _mutated(patch, "index", lambda s: s[:-40] + bytes([s[-40] ^ 0x10]) + s[-39:])
+    old, _ = _adam_like(3000, 8)
+    state = {"w": old.cuda()}
+    with pytest.raises(CorruptPatchError, match="rANS lane|padding|beyond|extra"):
+        apply_patch(state, data, verify=False)
+    assert _same(state["w"].cpu(), old)
