@@ -1,10 +1,8 @@
-"""HTTP surface of the registry: a thin FastAPI layer over core.Registry."""
+"""HTTP surface of the registry: routes over service.RegistryService (lifecycle, request checks)
+and its core.Registry."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import hmac
 import json
 import logging
 from contextlib import asynccontextmanager
@@ -16,11 +14,11 @@ from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from services.registry.core import KEY_PART, OBJECT_FOLDERS, RUN_NAME, RedisAnnouncer, Registry
-from services.registry.errors import BadRange, InsufficientStorage, RegistryError, TimedOut
+from services.registry.core import KEY_PART, OBJECT_FOLDERS, RUN_NAME
+from services.registry.errors import BadRange, InsufficientStorage, RegistryError
 from services.registry.ranges import parse_range
+from services.registry.service import RegistryService
 from services.registry.settings import RegistrySettings
-from services.registry.uploads import UploadCheck, UploadKind
 from shared.http import PROMETHEUS_TEXT, error_responses, install_error_handling
 from shared.registry.wire import (
     GROUPS_HEADER,
@@ -35,7 +33,6 @@ from shared.registry.wire import (
 )
 from shared.relay import PeerAnnouncement, PeerList
 from shared.schemas import MAX_GROUP_ID_CHARS, one_line_error
-from shared.settings import publish_credential
 from shared.storage import ObjectStorage
 
 log = logging.getLogger(__name__)
@@ -60,27 +57,13 @@ def upload_body(description: str) -> dict:
 
 
 def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage | None = None) -> FastAPI:
-    settings = settings or RegistrySettings()
-    storage = storage or ObjectStorage(settings.store_url, options=settings.store_options)
-    announcer = RedisAnnouncer(settings.redis_url, settings.redis_prefix) if settings.redis_url else None
-    registry = Registry(storage, settings, announce=announcer.announce if announcer else None)
-    # Publishing (patches, snapshots, model files) needs the publish token, which only the trainer
-    # holds; the API token (workers' relay announcements, merge-building plans) cannot publish.
-    publish_token = publish_credential(settings.publish_token, settings.api_token, "registry")
-    if not publish_token:
-        log.warning("SPARSECAST_PUBLISH_TOKEN is unset: any local process can publish (loopback only)")
+    service = RegistryService(settings or RegistrySettings(), storage)
+    registry, storage = service.registry, service.storage
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        stop = asyncio.Event()
-        maintenance = asyncio.create_task(registry.maintain(stop))  # scrub, store-full probe
-        yield
-        stop.set()
-        with contextlib.suppress(Exception):
-            await maintenance
-        await registry.close()
-        if announcer:
-            await announcer.aclose()
+        async with service.running():
+            yield
 
     # /docs and /redoc with their scripts served by the app itself (no CDN: they work offline).
     app = FastAPIOffline(title="sparsecast registry", lifespan=lifespan, responses=error_responses(422))
@@ -88,6 +71,8 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
     install_error_handling(app)
     reads = error_responses(404)
     writes = error_responses(400, 401, 408, 409, 413, 507)
+    require_token, require_publish_token = service.require_token, service.require_publish_token
+    read_body, bearer = service.read_body, service.bearer
 
     @app.exception_handler(RegistryError)
     async def registry_error(request: Request, exc: RegistryError) -> JSONResponse:
@@ -96,54 +81,6 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
         if isinstance(exc, InsufficientStorage):  # an outage: clients wait and retry (shared.retry)
             headers = {"Retry-After": str(exc.retry_after_s)}
         return JSONResponse({"detail": str(exc)}, status_code=exc.status, headers=headers)
-
-    def carries(request: Request, token: str | None) -> bool:
-        """The request carries `token` (never true for an unset one)."""
-        given = request.headers.get("authorization", "")
-        expected = f"Bearer {token}".encode()
-        return bool(token) and hmac.compare_digest(given.encode("utf-8", "replace"), expected)
-
-    def bearer(request: Request) -> bool:
-        """The request carries the API token or the publish token."""
-        return carries(request, settings.api_token) or carries(request, publish_token)
-
-    def refuse() -> None:
-        registry.metrics.rejections.labels("401").inc()
-        raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
-
-    def require_token(request: Request) -> None:
-        # Without a token writes are open: allowed on loopback only (__main__ refuses other binds).
-        if settings.api_token and not bearer(request):
-            refuse()
-
-    def require_publish_token(request: Request) -> None:
-        if publish_token and not carries(request, publish_token):
-            refuse()
-
-    async def read_body(request: Request, kind: UploadKind) -> bytes:
-        """The upload, streamed in: size limit, magic bytes and the body's own declared length are
-        checked as bytes arrive, so junk is refused after its first bytes, not once held."""
-        declared = request.headers.get("content-length")
-        check = UploadCheck(
-            kind, settings.max_upload_bytes, int(declared) if declared and declared.isdigit() else None
-        )
-        # A slow client is refused (408), not waited for: no chunk for upload_idle_s, or longer
-        # than upload_timeout_s in all, holds neither memory nor a connection for long.
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + settings.upload_timeout_s
-        chunks = request.stream().__aiter__()
-        while True:
-            wait = min(settings.upload_idle_s, deadline - loop.time())
-            try:
-                chunk = await asyncio.wait_for(anext(chunks), timeout=max(wait, 0.0))
-            except StopAsyncIteration:
-                break
-            except TimeoutError as exc:
-                raise TimedOut(f"upload stalled: no bytes for {settings.upload_idle_s:g} s, or over "
-                               f"{settings.upload_timeout_s:g} s in all (after {len(check.body)} bytes)"
-                               ) from exc
-            check.feed(chunk)
-        return check.finish()
 
     def rollout_directive(request: Request) -> RolloutDirective | None:
         """The upload's X-Sparsecast-Rollout header (None when absent); anything but a JSON object
@@ -190,11 +127,8 @@ def create_app(settings: RegistrySettings | None = None, storage: ObjectStorage 
 
     @app.get("/readyz", responses={503: {"description": "the store cannot be reached"}})
     async def readyz() -> JSONResponse:
-        try:
-            # obstore retries an unreachable store for minutes; a probe must answer promptly.
-            await asyncio.wait_for(storage.ping(), timeout=5.0)
-        except Exception as exc:  # noqa: BLE001 - any storage failure means not ready
-            return JSONResponse({"status": "unavailable", "detail": str(exc)}, status_code=503)
+        if (why := await service.not_ready()) is not None:
+            return JSONResponse({"status": "unavailable", "detail": why}, status_code=503)
         return JSONResponse({"status": "ready"})
 
     @app.get("/metrics", responses=PROMETHEUS_TEXT)
