@@ -132,8 +132,7 @@ def relay_endpoint(holdings: Holdings, wait_s: float = 5.0) -> Any:
     """GET RELAY_PATH?key=&first=&last=: pieces first..last-1 (last defaults to first + 1) as one
     stream, their bytes sent as they land here (cut-through); it ends early when no byte more
     comes within wait_s. 404 if the object, or a byte of its first piece within wait_s, is not
-    held here; 416 for a range outside
-    the object; 422 for a malformed one."""
+    held here; 416 for a range outside the object; 422 for a malformed one."""
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
 

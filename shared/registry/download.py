@@ -84,13 +84,13 @@ class _Download:
     part: Path | None = None
     # Per piece, how many of its bytes have landed in the buffer from its start (every stream fills
     # its pieces in order): what a relay may forward before the piece is whole (cut-through).
-    filled: list[int] = field(default_factory=list)
+    filled: list[int] = field(init=False)
     # Peers waiting for bytes or a verified piece (shared.relay), each on its own event loop: a
     # relay endpoint may serve from a server thread while this download runs on another loop.
     _waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.filled = self.filled or [0] * len(self.done)
+        self.filled = [0] * len(self.done)
 
     def piece_range(self, i: int) -> tuple[int, int]:
         start = i * self.ref.piece_bytes
@@ -122,31 +122,24 @@ class _Download:
         start, end = self.piece_range(i)
         return end - start if self.done[i] else self.filled[i]
 
-    async def _wait(self, ready: Callable[[], bool], timeout_s: float) -> bool:
+    async def wait_bytes(self, i: int, have: int, timeout_s: float) -> bool:
+        """True once more than `have` bytes of piece i can be sent on; False if none more come
+        within timeout_s."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while not ready():
+        while self.available(i) <= have:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return False
             future = loop.create_future()
             self._waiters.append((loop, future))
-            if ready():  # changed between the check and the append: no wake-up is coming
+            if self.available(i) > have:  # changed between the check and the append: no wake-up comes
                 break
             try:
                 await asyncio.wait_for(future, remaining)
             except TimeoutError:
                 return False
         return True
-
-    async def wait_piece(self, i: int, timeout_s: float) -> bool:
-        """True once piece i is verified here; False if it is not within timeout_s."""
-        return await self._wait(lambda: self.done[i], timeout_s)
-
-    async def wait_bytes(self, i: int, have: int, timeout_s: float) -> bool:
-        """True once more than `have` bytes of piece i can be sent on; False if none more come
-        within timeout_s."""
-        return await self._wait(lambda: self.available(i) > have, timeout_s)
 
 
 def _sha256(data: bytes | memoryview | bytearray) -> str:
