@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from .errors import CorruptPatchError, TensorMismatchError
+from .fused import triton  # None without Triton (CPU-only installs): ans_decode keeps its torch loop
 
 PREC = 12  # probability precision: every table's frequencies sum to 2**PREC
 TOTAL = 1 << PREC
@@ -272,12 +273,6 @@ def ans_decode(
 
 # On a GPU the step loop above costs ~8 kernel launches a step (1024 steps: most of a 1.7B patch's
 # decode); one Triton program per block of lanes runs the same arithmetic with the steps in a loop.
-try:  # Triton ships with CUDA builds of torch; CPU-only installs use the torch loop.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-
 _LANES_PER_PROGRAM = 128
 
 
@@ -286,6 +281,7 @@ def _lanes_kernel_applies(device: torch.device) -> bool:
 
 
 if triton is not None:
+    import triton.language as tl
 
     @triton.jit(do_not_specialize=["steps", "lanes"])
     def _decode_lanes_kernel(x_ptr, word_at_ptr, words_ptr, base_ptr, packed_ptr, out_ptr, steps, lanes,
