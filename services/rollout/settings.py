@@ -39,8 +39,8 @@ class SyncSettings(BaseModel):
     streams: int = Field(default=4, ge=1, description="parallel download streams")
     bandwidth_mbps: float | None = Field(default=None, gt=0, description="emulate a slow link")
     poll_s: float = Field(default=2.0, gt=0, description="polling fallback when Redis is not there")
-    # Relay fan-out (shared.relay): serve verified pieces to peers at advertise_url and fetch from
-    # peers first; announcing to the registry needs registry_token.
+    # Relay fan-out (shared.relay): serve what it fetches to peers at advertise_url (bytes as they
+    # land; every receiver verifies) and fetch from peers first; announcing needs registry_token.
     relay: bool = False
 
 
