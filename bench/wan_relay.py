@@ -76,7 +76,8 @@ async def _relay_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     import uvicorn
 
     from shared.registry.client import RegistryClient
-    from shared.relay import PEER_KEEP_ALIVE_S, Holdings, Relay, peer_listener, relay_app
+    from shared.registry.transport import KEEP_ALIVE_S
+    from shared.relay import Holdings, Relay, peer_listener, relay_app
 
     client = RegistryClient(cfg["url"], RUN, token=TOKEN, streams=4, redis_url=cfg["redis_url"],
                             redis_prefix=cfg["redis_prefix"], backoff_s=0.1)
@@ -86,7 +87,7 @@ async def _relay_worker(cfg: dict[str, Any]) -> dict[str, Any]:
         # Kept-alive connections between versions, and socket buffers wider than autotuning's
         # where net.core.wmem_max / rmem_max allow (shared.relay.socket_buffers).
         config = uvicorn.Config(relay_app(holdings), log_level="warning",
-                                timeout_keep_alive=PEER_KEEP_ALIVE_S)
+                                timeout_keep_alive=KEEP_ALIVE_S)
         server = uvicorn.Server(config)
         serving = asyncio.create_task(server.serve(sockets=[peer_listener(cfg["ip"], PEER_PORT)]))
         relay = Relay(f"w{cfg['index']}", f"http://{cfg['ip']}:{PEER_PORT}", holdings)

@@ -345,7 +345,6 @@ class _PieceReader:
 # --- socket windows -----------------------------------------------------------------------------
 
 SOCKET_BUFFER_BYTES = 32 << 20  # a window for 1 Gbit/s at up to ~250 ms round trip
-PEER_KEEP_ALIVE_S = 300  # how long a peer's server keeps an idle relay connection (uvicorn's is 5 s)
 
 
 @dataclass(frozen=True)

@@ -597,7 +597,8 @@ class Registry:
             raise Invalid(f"bad worker id {worker!r}")
         for key in body.objects:
             self.object_key(run, key)  # refuses keys outside the run's folders
-        return PeerList(peers=self.peers.announce(run, worker, body.url, body.objects))
+        return PeerList(peers=await self.peers.announce_ordered(
+            run, worker, body.url, body.objects, self.settings.peer_order_wait_s))
 
     async def leave_peer(self, run: str, worker: str) -> None:
         await self._run(run)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from shared.registry.transport import KEEP_ALIVE_S
 from shared.settings import ServiceSettings
 
 
@@ -42,13 +43,19 @@ class RegistrySettings(ServiceSettings):
     # long; plans and announcements list at most peer_max_listed peers per object.
     peer_ttl_s: float = Field(default=60.0, gt=0)
     peer_max_listed: int = Field(default=3, ge=0)
+    # Workers keep one order from version to version (warm connections between the same
+    # neighbours): an announcement waits at most this long for predecessors expected on the same
+    # new patch (services/registry/peers.py; 0: arrival order).
+    peer_order_wait_s: float = Field(default=1.0, ge=0)
     # The scrub re-hashes every stored object of every run in the store against its manifest's piece
     # hashes every scrub_every_s (0: never; readers' reports still quarantine), reading at most
     # scrub_bytes_per_s so that it never competes with serving (docs/registry.md, self-repair).
     scrub_every_s: float = Field(default=3600.0, ge=0)
     scrub_bytes_per_s: float = Field(default=float(64 << 20), gt=0)
-    # Slow clients: an idle keep-alive connection is closed after keep_alive_s; an upload whose
-    # body stalls for upload_idle_s, or takes longer than upload_timeout_s in all, is refused (408).
-    keep_alive_s: int = Field(default=5, ge=1)
+    # An idle keep-alive connection is closed after keep_alive_s: long enough that workers reuse
+    # warm connections from one version to the next (shared.registry.transport.KEEP_ALIVE_S). An
+    # upload whose body stalls for upload_idle_s, or takes longer than upload_timeout_s in all, is
+    # refused (408).
+    keep_alive_s: int = Field(default=KEEP_ALIVE_S, ge=1)
     upload_idle_s: float = Field(default=60.0, gt=0)
     upload_timeout_s: float = Field(default=3600.0, gt=0)

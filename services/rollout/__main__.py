@@ -9,7 +9,8 @@ import uvicorn
 
 from services.rollout.settings import RolloutSettings
 from shared.http import require_token_off_loopback
-from shared.relay import PEER_KEEP_ALIVE_S, peer_listener
+from shared.registry.transport import KEEP_ALIVE_S
+from shared.relay import peer_listener
 from shared.settings_help import handle_cli
 
 
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     # Its relay endpoint (shared.relay) serves peers over kept-alive connections, on sockets with
     # buffers wider than autotuning's where the kernel allows (a window for 1 Gbit/s at 100 ms).
     config = uvicorn.Config(create_app(settings), log_level="info", timeout_graceful_shutdown=30,
-                            timeout_keep_alive=PEER_KEEP_ALIVE_S)
+                            timeout_keep_alive=KEEP_ALIVE_S)
     uvicorn.Server(config).run(sockets=[peer_listener(settings.host, settings.port)])
     return 0
 

@@ -15,6 +15,13 @@ from shared.registry.errors import RegistryHTTPError
 
 log = logging.getLogger(__name__)
 
+# How long an idle connection is kept, by clients and servers alike (the registry's, a worker's
+# relay endpoint): longer than the time between versions, so that the next version's transfers
+# reuse connections whose congestion and receive windows already grew (with
+# net.ipv4.tcp_slow_start_after_idle=0) instead of new ones starting from TCP's initial window,
+# which costs seconds at 100 ms round trips (docs/registry.md). uvicorn's and httpx's own are 5 s.
+KEEP_ALIVE_S = 300
+
 
 @dataclass
 class Counters:
@@ -55,7 +62,8 @@ class RegistryTransport:
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=httpx.Timeout(timeout_s, connect=5.0),
-            limits=httpx.Limits(max_connections=streams + 2, max_keepalive_connections=streams + 2),
+            limits=httpx.Limits(max_connections=streams + 2, max_keepalive_connections=streams + 2,
+                                keepalive_expiry=KEEP_ALIVE_S),
         )
 
     async def aclose(self) -> None:

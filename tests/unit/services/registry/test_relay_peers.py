@@ -88,3 +88,91 @@ def test_workers_asking_together_form_a_pipeline() -> None:
     assert answers[3] == ["http://c", "http://b", "http://a"]
     # A holder that died is skipped by the client; the next asker still gets a fresh holder.
     assert peers.announce("r", "i", "http://i", [KEY])[KEY][0] == "http://h"
+
+
+def _v(a: int) -> str:
+    return f"patches/{a}-{a + 1}.patch"
+
+
+async def _join(peers: PeerDirectory, workers: str) -> None:
+    """Workers join in this order, each at version 1."""
+    for w in workers:
+        await peers.announce_ordered("r", w, f"http://{w}", [_v(0)], wait_s=0)
+
+
+def test_the_pipeline_keeps_its_order_from_version_to_version() -> None:
+    """Whatever order workers learn of a version in, each fetches from its predecessor in the
+    order they joined (the same neighbours every version: warm connections), the first from the
+    registry."""
+    import asyncio
+
+    async def main() -> list[dict[str, list[str]]]:
+        peers = PeerDirectory(max_listed=2)
+        await _join(peers, "abcdefgh")
+        rounds = []
+        for version, arrival in ((1, "hcafbgde"), (2, "dhgfecba"), (3, "abcdefgh")):
+            async def ask(w: str, delay: float, held: str, key: str) -> tuple[str, list[str]]:
+                await asyncio.sleep(delay)
+                answer = await peers.announce_ordered("r", w, f"http://{w}", [held, key], wait_s=2.0)
+                return w, answer[key]
+
+            answers = await asyncio.gather(*(ask(w, 0.005 * i, _v(version - 1), _v(version))
+                                             for i, w in enumerate(arrival)))
+            rounds.append(dict(answers))
+        return rounds
+
+    for answers in asyncio.run(main()):
+        assert answers["a"] == []
+        for before, w in zip("abcdefg", "bcdefgh", strict=True):
+            assert answers[w][0] == f"http://{before}"
+
+
+def test_a_predecessor_that_does_not_come_is_waited_for_once() -> None:
+    import asyncio
+    import time as wall
+
+    async def main() -> None:
+        peers = PeerDirectory()
+        await _join(peers, "abc")
+        start = wall.monotonic()
+        # a is at version 1 but never announces patch 1-2 (busy, dying): b waits, then heads.
+        assert (await peers.announce_ordered("r", "b", "http://b", [_v(1)], wait_s=0.2))[_v(1)] == []
+        assert wall.monotonic() - start >= 0.2
+        start = wall.monotonic()
+        assert (await peers.announce_ordered("r", "c", "http://c", [_v(1)], wait_s=0.2))[_v(1)][0] == "http://b"
+        assert wall.monotonic() - start < 0.1  # a is not waited for again on this object
+
+    asyncio.run(main())
+
+
+def test_only_predecessors_at_the_patch_base_are_waited_for() -> None:
+    """A predecessor behind on versions (it will fetch a merged patch), an object the asker
+    already held, and merged patches never make an announcement wait."""
+    import asyncio
+    import time as wall
+
+    async def main() -> None:
+        peers = PeerDirectory()
+        await _join(peers, "ab")  # both at version 1
+        start = wall.monotonic()
+        assert (await peers.announce_ordered("r", "b", "http://b", [_v(2)], wait_s=1.0))[_v(2)] == []
+        assert (await peers.announce_ordered("r", "b", "http://b", [_v(0)], wait_s=1.0))[_v(0)] == ["http://a"]
+        assert (await peers.announce_ordered("r", "b", "http://b", ["merged/1-3.patch"], wait_s=1.0)) == {
+            "merged/1-3.patch": []}
+        assert wall.monotonic() - start < 0.1
+
+    asyncio.run(main())
+
+
+def test_a_worker_that_expires_rejoins_at_the_end() -> None:
+    clock = Clock()
+    peers = PeerDirectory(ttl_s=10, clock=clock)
+    for w in "abc":
+        peers.announce("r", w, f"http://{w}", [KEY])
+    clock.now = 5
+    for w in "bc":
+        peers.announce("r", w, f"http://{w}", [KEY])
+    clock.now = 12  # a expired
+    assert peers.announce("r", "a", "http://a", [KEY])[KEY] == ["http://c", "http://b"]
+    assert peers.announce("r", "b", "http://b", [KEY])[KEY] == []  # now first in the order
+    assert peers.announce("r", "c", "http://c", [KEY])[KEY] == ["http://b"]
