@@ -368,11 +368,9 @@ def unpack_bits(
             raise CorruptPatchError(f"{name}: {len(raw)} bytes of extra bits, symbols need {-(-n_bits // 8)}")
         if n_bits % 8 and raw[-1] >> (n_bits % 8):
             raise CorruptPatchError(f"{name}: non-zero padding bits")
-    joined = b"".join(data)
-    buf = torch.zeros(len(joined) + 7, dtype=torch.int64)
-    if joined:
-        buf[: len(joined)] = torch.frombuffer(bytearray(joined), dtype=torch.uint8)
-    buf = buf.to(nbits.device)
+    joined = bytearray(b"".join(data)) + bytes(7)  # 7 zero bytes: every field's 7-byte window is in bounds
+    # The bytes go to the device as bytes and are widened there (int64 on the host: 8x the copy).
+    buf = torch.frombuffer(joined, dtype=torch.uint8).to(nbits.device).to(torch.int64)
     at = offset >> 3
     window = torch.zeros_like(nbits)
     for j in range(7):
@@ -640,76 +638,144 @@ def _parse(it: CtxStreams) -> _Parsed:
     return _Parsed(used, class_counts, value_tables, value_of, [index_body, r.body(lanes(it.count))])
 
 
-def _ints(raw: bytes, dtype: str, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.frombuffer(raw, dtype=dtype).astype(np.int64)).to(device)
+def _device_ints(raw: list[bytes], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The little-endian integers of `dtype` (int16: u16 words, int32: u32 states) in the joined
+    byte strings, as int64 on `device`: one copy of the narrow bytes, widened there (widening on
+    the host and copying int64 cost ~4x the bytes)."""
+    joined = bytearray(b"".join(raw))
+    narrow = torch.frombuffer(joined, dtype=dtype) if joined else torch.zeros(0, dtype=dtype)
+    mask = (1 << (8 * narrow.element_size())) - 1
+    return narrow.to(device).to(torch.int64) & mask
+
+
+# Tensors of one size have their classes sorted together, at most this many elements at once
+# (a sort's temporaries are ~20 bytes an element); one larger tensor is sorted on its own.
+_SORT_ELEMENTS = 1 << 28
+
+
+@dataclass
+class _SortGroup:
+    """Entries of one size whose classes were sorted together, one row each."""
+
+    members: list[int]  # entry positions, in row order
+    numel: int
+    perm: torch.Tensor  # int64 (rows, numel): class-major position -> flat index, per row
+    hist: torch.Tensor  # int64 (rows, 256): elements per class, per row
+
+
+def _sort_groups(bases: list[torch.Tensor]) -> list[_SortGroup]:
+    """Each base's class order (as _class_order), tensors of one size in one batched sort: a few
+    sorts for a model's ~200 tensors instead of one (and its dozen small ops) each."""
+    by_numel: dict[int, list[int]] = {}
+    for i, b in enumerate(bases):
+        by_numel.setdefault(b.numel(), []).append(i)
+    groups = []
+    for numel, members in by_numel.items():
+        per = max(1, _SORT_ELEMENTS // numel)
+        for first in range(0, len(members), per):
+            rows = members[first : first + per]
+            stacked = bases[rows[0]].reshape(1, -1) if len(rows) == 1 else torch.stack(
+                [bases[i].reshape(-1) for i in rows])
+            cls = classes(stacked)
+            if cls.device.type == "cpu":  # numpy's stable sort of bytes is a radix sort (_class_order)
+                c = cls.numpy()
+                perm = torch.from_numpy(np.argsort(c, axis=1, kind="stable"))
+                hist = torch.from_numpy(np.stack([np.bincount(r, minlength=256) for r in c]).astype(np.int64))
+            else:
+                ordered, perm = torch.sort(cls, dim=1, stable=True)
+                values = torch.arange(256, device=cls.device).to(ordered.dtype).repeat(len(rows), 1)
+                end = torch.full((len(rows), 1), numel, dtype=torch.int64, device=cls.device)
+                hist = torch.diff(torch.cat([torch.searchsorted(ordered, values), end], 1), dim=1)
+            groups.append(_SortGroup(rows, numel, perm, hist))
+    return groups
 
 
 def decode_tensors(items: list[CtxStreams]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(sorted flat indices, zigzag deltas) of each entry, validated against its base tensor (int16
-    view); every entry's streams in one batched rANS pass, with a fixed number of host syncs."""
+    view). Every step runs on all entries at once, whatever their number: the classes of
+    same-size bases in one sort, the rANS lanes of every stream in one pass, the ranks, positions
+    and checks over the concatenation of all entries' changes (entries are taken in the order of
+    their sort groups inside, and returned in the caller's), with a fixed number of host syncs."""
     if not items:
         return []
     device = items[0].base.device
-    parsed = [_parse(it) for it in items]
-    orders = [_class_order(it.base) for it in items]
-    # The headers' small lists go to the device in one copy each (one per entry cost ~0.1 ms each).
-    used = _on_device([p.used for p in parsed], device)
-    counts = _on_device([p.class_counts for p in parsed], device)
-    value_of = _on_device([p.value_of for p in parsed], device)
-    sizes = [o.hist[u] for o, u in zip(orders, used, strict=True)]
-    _refuse(items, [(c > z).any() for c, z in zip(counts, sizes, strict=True)],
-            "index stream: more changes in a class than the base has elements in it")
-    gap_f = gap_tables(torch.cat(counts), torch.cat(sizes))
-    ctx = [torch.repeat_interleave(torch.arange(c.numel(), device=device), c, output_size=it.count)
-           for c, it in zip(counts, items, strict=True)]
-    tables, base = [], 0
-    for c, k in zip(ctx, [u.numel() for u in used], strict=True):
-        tables.append(c + base)
-        base += k
-    for c, p, of in zip(ctx, parsed, value_of, strict=True):
-        tables.append(of[c] + base)
-        base += len(p.value_tables)
+    parsed_in_order = [_parse(it) for it in items]
+    groups = _sort_groups([it.base for it in items])
+    order = [i for g in groups for i in g.members]  # working position -> the caller's position
+    items, parsed = [items[i] for i in order], [parsed_in_order[i] for i in order]
+    n_items = len(items)
+    hist = torch.cat([g.hist for g in groups]).to(device)  # (entries, 256)
+    per_item = torch.tensor([len(p.used) for p in parsed], dtype=torch.int64)
+    flat_lists = torch.tensor([v for p in parsed for v in (*p.used, *p.class_counts, *p.value_of)],
+                              dtype=torch.int64).to(device)
+    sections = [x for p in parsed for x in (len(p.used),) * 3]
+    parts = flat_lists.split(sections)
+    used = torch.cat(parts[0::3])  # every entry's used classes, entry after entry
+    counts = torch.cat(parts[1::3])
+    value_of = torch.cat(parts[2::3])
+    n_classes = used.numel()
+    item_of_class = torch.repeat_interleave(torch.arange(n_items), per_item).to(device)
+    sizes = hist[item_of_class, used]
+    _refuse_segments(items, order, counts > sizes, per_item.tolist(),
+                     "index stream: more changes in a class than the base has elements in it")
+    gap_f = gap_tables(counts, sizes)
+    change_counts = [it.count for it in items]
+    total = sum(change_counts)
+    ctx = torch.repeat_interleave(torch.arange(n_classes, device=device), counts, output_size=total)
+    n_value_tables = torch.tensor([len(p.value_tables) for p in parsed], dtype=torch.int64, device=device)
+    value_base = torch.cumsum(n_value_tables, 0) - n_value_tables
+    value_table = value_of + value_base[item_of_class] + n_classes  # per class: its row of freq
     value_f = torch.tensor([t for p in parsed for t in p.value_tables], dtype=torch.int64, device=device)
     bodies = [p.bodies[kind] for kind in (0, 1) for p in parsed]
-    states = torch.cat([_ints(b[1], "<u4", device) for b in bodies])
-    n = len(items)
-    stream_counts = [it.count for it in items] * 2
+    what = [f"{it.name}: {kind} stream" for kind in ("index", "payload") for it in items]
+    stream_counts = change_counts * 2
     symbols = ans_decode(
-        states, torch.tensor([c for b in bodies for c in b[0]], dtype=torch.int64, device=device),
-        torch.cat([_ints(b[2], "<u2", device) for b in bodies]), torch.cat(tables),
-        torch.cat([gap_f, value_f]), stream_counts,
-        [f"{it.name}: {kind} stream" for kind in ("index", "payload") for it in items],
+        _device_ints([b[1] for b in bodies], torch.int32, device),
+        torch.tensor([c for b in bodies for c in b[0]], dtype=torch.int64, device=device),
+        _device_ints([b[2] for b in bodies], torch.int16, device), torch.cat([ctx, value_table[ctx]]),
+        torch.cat([gap_f, value_f]), stream_counts, what,
     )
-    values = _from_symbols(symbols, [b[3] for b in bodies],
-                           [f"{it.name}: {kind} stream" for kind in ("index", "payload") for it in items],
-                           stream_counts).split(stream_counts)
-    gaps = list(values[:n])
-    zs = [v + 1 for v in values[n:]]
-    _refuse(items, [(z > 0xFFFF).any() for z in zs], "payload stream holds a delta beyond 16 bits")
-    cls = [u[c] for u, c in zip(used, ctx, strict=True)]
-    _refuse(items, [(g >= o.hist[c]).any() for g, o, c in zip(gaps, orders, cls, strict=True)],
-            "index stream gap beyond the base's class size")  # so no sum below reaches 2**63
-    ranks = [_ranks(g, c, k) for g, c, k in zip(gaps, ctx, counts, strict=True)]
-    _refuse(items, [(r >= o.hist[c]).any() for r, o, c in zip(ranks, orders, cls, strict=True)],
-            "index stream ranks beyond the base's class sizes")
-    out = []
-    for r, o, c, z in zip(ranks, orders, cls, zs, strict=True):
-        flat, at = torch.sort(torch.index_select(o.perm, 0, o.start[c] + r))
-        out.append((flat, z[at]))  # ranks rise within a class, so no element repeats
+    values = _from_symbols(symbols, [b[3] for b in bodies], what, stream_counts)
+    gaps, z = values[:total], values[total:] + 1
+    _refuse_segments(items, order, z > 0xFFFF, change_counts, "payload stream holds a delta beyond 16 bits")
+    class_size = sizes[ctx]
+    _refuse_segments(items, order, gaps >= class_size, change_counts,
+                     "index stream gap beyond the base's class size")  # so no sum below reaches 2**63
+    ranks = _ranks(gaps, ctx, counts)
+    _refuse_segments(items, order, ranks >= class_size, change_counts,
+                     "index stream ranks beyond the base's class sizes")
+    item_of_change = item_of_class[ctx]
+    starts = torch.cumsum(hist, 1) - hist
+    position = starts[item_of_change, used[ctx]] + ranks  # class-major position within its entry
+    row_of_item = torch.tensor([r for g in groups for r in range(len(g.members))], dtype=torch.int64,
+                               device=device)
+    flat = torch.empty_like(position)
+    a = first_item = 0
+    for g in groups:  # the group's entries are consecutive here: one gather each
+        b = a + sum(change_counts[first_item : first_item + len(g.members)])
+        flat[a:b] = g.perm.view(-1)[row_of_item[item_of_change[a:b]] * g.numel + position[a:b]]
+        a, first_item = b, first_item + len(g.members)
+    # Ascending flat index within each entry, entries in turn: one sort (a flat index < 2**31).
+    key, at = torch.sort((item_of_change << 31) | flat)
+    flat_sorted = (key & ((1 << 31) - 1)).split(change_counts)
+    z_sorted = z[at].split(change_counts)
+    out: list[tuple[torch.Tensor, torch.Tensor]] = [(flat_sorted[0], z_sorted[0])] * n_items
+    for position_here, caller in enumerate(order):
+        out[caller] = (flat_sorted[position_here], z_sorted[position_here])
     return out
 
 
-def _on_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
-    """int64 tensors of `lists` on `device`, copied there together."""
-    flat = torch.tensor([v for values in lists for v in values], dtype=torch.int64).to(device)
-    return list(flat.split([len(values) for values in lists]))
-
-
-def _refuse(items: list[CtxStreams], bad: list[torch.Tensor], what: str) -> None:
-    """One host sync for a check of every entry; raise for the first entry that fails it."""
-    flags = torch.stack(bad).tolist()
-    if any(flags):
-        raise CorruptPatchError(f"{items[flags.index(True)].name}: {what}")
+def _refuse_segments(items: list[CtxStreams], order: list[int], bad: torch.Tensor, lengths: list[int],
+                     what: str) -> None:
+    """One host sync for a check over every entry's consecutive `lengths` elements of `bad`; raise
+    for the entry that fails it first in the caller's order (`order`: working -> caller's)."""
+    ends = torch.cumsum(torch.tensor(lengths, dtype=torch.int64, device=bad.device), 0)
+    running = torch.cat([bad.new_zeros(1, dtype=torch.int64), torch.cumsum(bad.to(torch.int64), 0)])
+    failed = torch.nonzero(running[ends] - running[ends - torch.tensor(lengths, device=bad.device)]).view(-1)
+    if failed.numel():
+        first = min(order[int(i)] for i in failed.tolist())
+        name = next(it.name for it, caller in zip(items, order, strict=True) if caller == first)
+        raise CorruptPatchError(f"{name}: {what}")
 
 
 def _ranks(gap: torch.Tensor, ctx: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -718,8 +784,3 @@ def _ranks(gap: torch.Tensor, ctx: torch.Tensor, counts: torch.Tensor) -> torch.
     csum = torch.cumsum(step, 0)
     return csum - (csum - step)[torch.cumsum(counts, 0) - counts][ctx] - 1
 
-
-def _bytes_tensor(raw: bytes, device: torch.device) -> torch.Tensor:
-    if not raw:
-        return torch.zeros(0, dtype=torch.uint8, device=device)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)

@@ -330,3 +330,25 @@ def test_a_corrupt_lane_is_refused_on_the_gpu(patch: bytes) -> None:
     with pytest.raises(CorruptPatchError, match="rANS lane|padding|beyond|extra"):
         apply_patch(state, data, verify=False)
     assert _same(state["w"].cpu(), old)
+
+
+def test_entries_of_mixed_sizes_decode_together_in_the_callers_order(monkeypatch) -> None:
+    """Same-size bases share one sort of their classes (split once a group passes _SORT_ELEMENTS);
+    entries are decoded out of order inside and come back in the caller's; a check that fails for
+    several entries names the first in the patch's order."""
+    monkeypatch.setattr(ctxans, "_SORT_ELEMENTS", 7000)  # the four 3000s: two groups of two
+    sizes = [3000, 700, 3000, 3000, 700, 1, 3000]
+    old, new = {}, {}
+    for i, n in enumerate(sizes):
+        o, changed = _adam_like(max(n, 2), 30 + i, lr=3e-4)
+        if n == 1:
+            o, changed = o[:1].clone(), o[:1].clone()
+            bits(changed)[0] += 1
+        old[f"t{i}"], new[f"t{i}"] = o, changed
+    patch = _round_trip(old, new)
+    assert [t.encoding for t in read_header(patch).tensors] == ["ctxans"] * len(sizes)
+    bad = {k: v.clone() for k, v in old.items()}
+    for name in ("t3", "t1"):  # inside, t3's group is decoded before t1's
+        bad[name] = torch.full((sizes[int(name[1])],), 1.0).bfloat16()  # one exponent class only
+    with pytest.raises(CorruptPatchError, match="^t1: .*class"):
+        apply_patch(bad, patch, verify=False)
