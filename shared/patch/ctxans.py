@@ -49,28 +49,57 @@ def classes(base_bits: torch.Tensor) -> torch.Tensor:
     return ((base_bits >> 7) & 0xFF).to(torch.uint8)
 
 
+# Tensors of one size have their classes sorted together, at most this many elements at once
+# (a sort's temporaries are ~20 bytes an element); one larger tensor is sorted on its own.
+_SORT_ELEMENTS = 1 << 28
+
+
 @dataclass
-class _ClassOrder:
-    hist: torch.Tensor  # int64 (256,): elements per class
-    start: torch.Tensor  # int64 (256,): first class-major position of each class
-    perm: torch.Tensor  # int64 (n,): class-major position -> flat index
+class _SortGroup:
+    """Entries of one size whose classes were sorted together, one row each."""
+
+    members: list[int]  # entry positions, in row order
+    numel: int
+    perm: torch.Tensor  # int64 (rows, numel): class-major position -> flat index, per row
+    hist: torch.Tensor  # int64 (rows, 256): elements per class, per row
 
 
-def _class_order(base_bits: torch.Tensor) -> _ClassOrder:
-    cls = classes(base_bits)
+def _size_groups(bases: list[torch.Tensor]) -> list[list[int]]:
+    """Positions of `bases` grouped by size, each group at most _SORT_ELEMENTS elements in all
+    (one larger tensor alone)."""
+    by_numel: dict[int, list[int]] = {}
+    for i, b in enumerate(bases):
+        by_numel.setdefault(b.numel(), []).append(i)
+    groups = []
+    for numel, members in by_numel.items():
+        per = max(1, _SORT_ELEMENTS // numel)
+        groups += [members[first : first + per] for first in range(0, len(members), per)]
+    return groups
+
+
+def _sort_group(bases: list[torch.Tensor], rows: list[int]) -> _SortGroup:
+    """The class order of same-size bases, one row each (`perm`: class-major position -> flat
+    index; `hist`: elements per class), in one batched sort: a few sorts for a model's ~200
+    tensors instead of one (and its dozen small ops) each."""
+    numel = bases[rows[0]].numel()
+    stacked = bases[rows[0]].reshape(1, -1) if len(rows) == 1 else torch.stack(
+        [bases[i].reshape(-1) for i in rows])
+    cls = classes(stacked)
     if cls.device.type == "cpu":  # numpy's stable sort of bytes is a radix sort, ~3x torch's here
         c = cls.numpy()
-        perm = torch.from_numpy(np.argsort(c, kind="stable"))
-        hist = torch.from_numpy(np.bincount(c, minlength=256).astype(np.int64))
+        perm = torch.from_numpy(np.argsort(c, axis=1, kind="stable"))
+        hist = torch.from_numpy(np.stack([np.bincount(r, minlength=256) for r in c]).astype(np.int64))
     else:  # no host sync (CUDA's bincount has one): the class sizes from the sorted classes
-        ordered, perm = torch.sort(cls, stable=True)
-        hist = _sizes(ordered, 256)
-    return _ClassOrder(hist, torch.cumsum(hist, 0) - hist, perm)
+        ordered, perm = torch.sort(cls, dim=1, stable=True)
+        values = torch.arange(256, device=cls.device).to(ordered.dtype).repeat(len(rows), 1)
+        end = torch.full((len(rows), 1), numel, dtype=torch.int64, device=cls.device)
+        hist = torch.diff(torch.cat([torch.searchsorted(ordered, values), end], 1), dim=1)
+    return _SortGroup(rows, numel, perm, hist)
 
 
 def _sizes(ordered: torch.Tensor, n: int) -> torch.Tensor:
-    """How many of the non-decreasing values `ordered` (all below n <= 256) equal 0 .. n-1, with
-    no host sync (CUDA's bincount has one)."""
+    """How many of the non-decreasing values `ordered` (all below n) equal 0 .. n-1, with no host
+    sync (CUDA's bincount has one)."""
     values = torch.arange(n, device=ordered.device).to(ordered.dtype)
     end = torch.full((1,), ordered.numel(), dtype=torch.int64, device=ordered.device)
     return torch.diff(torch.cat([torch.searchsorted(ordered, values), end]))
@@ -206,17 +235,20 @@ def ans_encode(
     # (never emits: x < TOTAL << 20 = 2**32): no masks in the loop.
     f_grid = _grid(layout, freq[tables, symbols], TOTAL, TOTAL)
     c_grid = _grid(layout, cum[tables, symbols], 0, TOTAL)
-    g_grid = TOTAL - f_grid
     x = torch.full((layout.total_lanes,), STATE_LOW, dtype=torch.int64, device=device)
     need = torch.zeros(layout.steps, layout.total_lanes, dtype=torch.bool, device=device)
     words = torch.zeros(layout.steps, layout.total_lanes, dtype=torch.int32, device=device)
-    for t in range(layout.steps - 1, -1, -1):  # rANS encodes backwards
-        f = f_grid[t]
-        out = (x >> (32 - PREC)) >= f  # x >= f << 20, without shifting the int32 f
-        need[t], words[t] = out, x & 0xFFFF
-        x = torch.where(out, x >> 16, x)
-        # ((x div f) << PREC) + (x mod f) + F_s, as x + (x div f)(TOTAL - f) + F_s
-        x = x + torch.div(x, f, rounding_mode="floor") * g_grid[t] + c_grid[t]
+    if _lanes_kernel_applies(device):  # one kernel, each lane's steps in a loop of its own
+        _encode_lanes(x, f_grid, c_grid, need, words)
+    else:
+        g_grid = TOTAL - f_grid
+        for t in range(layout.steps - 1, -1, -1):  # rANS encodes backwards
+            f = f_grid[t]
+            out = (x >> (32 - PREC)) >= f  # x >= f << 20, without shifting the int32 f
+            need[t], words[t] = out, x & 0xFFFF
+            x = torch.where(out, x >> 16, x)
+            # ((x div f) << PREC) + (x mod f) + F_s, as x + (x div f)(TOTAL - f) + F_s
+            x = x + torch.div(x, f, rounding_mode="floor") * g_grid[t] + c_grid[t]
     return x, need.sum(0), words.t()[need.t()]  # lane after lane, steps ascending within a lane
 
 
@@ -271,8 +303,9 @@ def ans_decode(
     return out.view(-1)[layout.cell] if layout.steps else torch.zeros(0, dtype=torch.int64, device=device)
 
 
-# On a GPU the step loop above costs ~8 kernel launches a step (1024 steps: most of a 1.7B patch's
-# decode); one Triton program per block of lanes runs the same arithmetic with the steps in a loop.
+# On a GPU the step loops above cost ~8 kernel launches a step (1024 steps: most of a 1.7B patch's
+# encode or decode); one Triton program per block of lanes runs the same arithmetic with the steps
+# in a loop of its own.
 _LANES_PER_PROGRAM = 128
 
 
@@ -304,6 +337,37 @@ if triton is not None:
             out_at += lanes
         tl.store(x_ptr + lane, x, mask=ok)
         tl.store(word_at_ptr + lane, at, mask=ok)
+
+    @triton.jit(do_not_specialize=["steps", "lanes"])
+    def _encode_lanes_kernel(x_ptr, f_ptr, c_ptr, need_ptr, words_ptr, steps, lanes,
+                             BLOCK: tl.constexpr, PREC_: tl.constexpr, TOTAL_: tl.constexpr):
+        lane = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        ok = lane < lanes
+        x = tl.load(x_ptr + lane, mask=ok, other=0)
+        at = (steps - 1).to(tl.int64) * lanes + lane  # row t of the (steps, lanes) grids, last first
+        for _ in range(steps):
+            f = tl.load(f_ptr + at, mask=ok, other=TOTAL_).to(tl.int64)
+            c = tl.load(c_ptr + at, mask=ok, other=0).to(tl.int64)
+            out = (x >> (32 - PREC_)) >= f
+            tl.store(need_ptr + at, out, mask=ok)
+            tl.store(words_ptr + at, (x & 0xFFFF).to(tl.int32), mask=ok)
+            x = tl.where(out, x >> 16, x)
+            x = x + (x // f) * (TOTAL_ - f) + c
+            at -= lanes
+        tl.store(x_ptr + lane, x, mask=ok)
+
+
+def _encode_lanes(x: torch.Tensor, f_grid: torch.Tensor, c_grid: torch.Tensor, need: torch.Tensor,
+                  words: torch.Tensor) -> None:
+    """The torch loop of ans_encode in one kernel: every lane through all its steps, last first, in
+    place (`x`: states), marking in `need` (steps, lanes) where a word is emitted and its value in
+    `words`."""
+    steps, lanes = need.shape
+    if not steps or not lanes:
+        return
+    _encode_lanes_kernel[(triton.cdiv(lanes, _LANES_PER_PROGRAM),)](
+        x, f_grid.contiguous(), c_grid.contiguous(), need, words, steps, lanes,
+        BLOCK=_LANES_PER_PROGRAM, PREC_=PREC, TOTAL_=TOTAL, num_warps=4)
 
 
 def _decode_lanes(x: torch.Tensor, word_at: torch.Tensor, words: torch.Tensor, base: torch.Tensor,
@@ -348,9 +412,20 @@ def pack_bits(values: torch.Tensor, nbits: torch.Tensor, counts: list[int] | Non
     offset, seg_bits = _segments(nbits, counts)
     seg_bytes = [-(-b // 8) for b in seg_bits]
     out = torch.zeros(sum(seg_bytes) + 7, dtype=torch.int64, device=values.device)
-    shifted = (values & ((1 << nbits) - 1)) << (offset & 7)
-    for j in range(7):  # fields never overlap, so adding their bytes is OR-ing them
-        out.index_add_(0, (offset >> 3) + j, (shifted >> (8 * j)) & 0xFF)
+    # Fields never overlap, so adding their bytes is OR-ing them. Only fields that reach byte j of
+    # their window add to it: most fields are empty or fit one byte, and every add is an atomic
+    # (7 passes over every field cost ~70 ms for a 1.7B patch on an H100).
+    has = torch.nonzero(nbits).view(-1)
+    byte = (offset >> 3)[has]
+    shifted = ((values & ((1 << nbits) - 1)) << (offset & 7))[has]
+    reach = ((offset & 7) + nbits)[has]  # bits from the field's first byte to its end
+    for j in range(7):
+        if j:
+            further = torch.nonzero(reach > 8 * j).view(-1)
+            if not further.numel():
+                break
+            byte, shifted, reach = byte[further], shifted[further], reach[further]
+        out.index_add_(0, byte + j, (shifted >> (8 * j)) & 0xFF)
     data = out[: sum(seg_bytes)].to(torch.uint8).cpu().numpy().tobytes()
     bounds = np.cumsum([0, *seg_bytes]).tolist()
     return [data[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
@@ -399,30 +474,57 @@ class _Symbols:
     value: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def _symbols(item: CtxInput) -> _Symbols:
-    """Gap and value symbols of one tensor's changes in class-major order (no host sync)."""
-    order = _class_order(item.base_bits)
-    n, count = item.base_bits.numel(), item.indices.numel()
-    mask = torch.zeros(n, dtype=torch.bool, device=item.base_bits.device)
-    mask[item.indices] = True
-    s = torch.nonzero_static(torch.index_select(mask, 0, order.perm), size=count).view(-1)  # ascending
-    flat = torch.index_select(order.perm, 0, s)
-    z = item.zigzag[torch.searchsorted(item.indices, flat)]
-    cls = classes(item.base_bits[flat]).to(torch.int64)
-    rank = s - order.start[cls]
-    new_class = torch.ones_like(cls, dtype=torch.bool)
-    new_class[1:] = cls[1:] != cls[:-1]
+def _symbols_all(items: list[CtxInput]) -> list[_Symbols]:
+    """Gap and value symbols of each tensor's changes in class-major order (no host sync), tensors
+    of one size together (_size_groups), one group's class order in memory at a time."""
+    bases = [it.base_bits for it in items]
+    out: list[_Symbols | None] = [None] * len(items)
+    for rows in _size_groups(bases):
+        group = _sort_group(bases, rows)
+        for i, sym in zip(rows, _group_symbols(group, [items[i] for i in rows]), strict=True):
+            out[i] = sym
+    return [s for s in out if s is not None]
+
+
+def _group_symbols(group: _SortGroup, items: list[CtxInput]) -> list[_Symbols]:
+    """_symbols_all for one group: every row's changes at once, as global class-major positions
+    G = row * numel + s (ascending: rows in turn, class-major within a row)."""
+    n, k = group.numel, len(items)
+    device = group.perm.device
+    counts = [it.indices.numel() for it in items]
+    total = sum(counts)
+    row = torch.repeat_interleave(torch.arange(k, device=device), torch.tensor(counts, device=device),
+                                  output_size=total)
+    key = torch.cat([it.indices for it in items]) + row * n  # ascending: each row's indices are sorted
+    mask = torch.zeros(k * n, dtype=torch.bool, device=device)
+    mask[key] = True
+    g = torch.nonzero_static(torch.gather(mask.view(k, n), 1, group.perm).view(-1), size=total).view(-1)
+    row = g // n
+    flat = group.perm.view(-1)[g]
+    z = torch.cat([it.zigzag for it in items])[torch.searchsorted(key, row * n + flat)]
+    starts = (torch.cumsum(group.hist, 1) - group.hist + torch.arange(k, device=device)[:, None] * n).view(-1)
+    klass = torch.searchsorted(starts, g, right=True) - 1  # row * 256 + class, non-decreasing
+    # A class with no element shares its start with the next: searchsorted (right) takes the last
+    # of equal starts, the one class that holds position g.
+    rank = g - starts[klass]
+    new_class = torch.ones_like(klass, dtype=torch.bool)
+    new_class[1:] = klass[1:] != klass[:-1]
     prev = torch.cat([rank.new_full((1,), -1), rank[:-1]])
     gap = torch.where(new_class, rank, rank - prev - 1)
-    per_class = _sizes(cls, 256)  # cls is non-decreasing in class-major order
-    ctx = (torch.cumsum(per_class > 0, 0) - 1)[cls]
-    return _Symbols(per_class, order.hist, ctx, gap_symbols(gap), value_symbols(z))
+    per_class = _sizes(klass, k * 256).view(k, 256)
+    ctx = (torch.cumsum(per_class > 0, 1) - 1).view(-1)[klass]
+    gaps, values = gap_symbols(gap), value_symbols(z)
+    parts = [x.split(counts) for x in (ctx, *gaps, *values)]
+    return [_Symbols(per_class[r], group.hist[r], parts[0][r], (parts[1][r], parts[2][r], parts[3][r]),
+                     (parts[4][r], parts[5][r], parts[6][r])) for r in range(k)]
 
 
-def _header(values: list[torch.Tensor]) -> bytes:
-    """u32 count, then the LEB128 values (§3's rules), in numpy: a few hundred per stream, where
-    torch's per-call overhead would dominate."""
-    v = np.concatenate([t.reshape(-1).cpu().numpy().astype(np.uint64) for t in values])
+def _headers(heads: list[list[torch.Tensor]]) -> list[bytes]:
+    """Per stream, u32 count then the LEB128 values of its tensors (§3's rules): every stream's in
+    one numpy pass (a few hundred values per stream, a few hundred streams: per-stream calls cost
+    more than the coding)."""
+    sizes = [sum(t.numel() for t in head) for head in heads]
+    v = np.concatenate([t.reshape(-1).cpu().numpy().astype(np.uint64) for head in heads for t in head])
     n_bytes = np.ones(v.size, dtype=np.int64)
     for k in range(1, 9):
         n_bytes += v >= np.uint64(1 << (7 * k))
@@ -432,7 +534,10 @@ def _header(values: list[torch.Tensor]) -> bytes:
         sel = n_bytes > k
         group = (v[sel] >> np.uint64(7 * k)) & np.uint64(0x7F)
         out[starts[sel] + k] = group | (n_bytes[sel] > k + 1).astype(np.uint64) << np.uint64(7)
-    return _U32.pack(v.size) + out.tobytes()
+    data = out.tobytes()
+    ends = np.cumsum(np.add.reduceat(n_bytes, np.cumsum([0, *sizes[:-1]])) if v.size else [0] * len(heads))
+    bounds = [0, *ends.tolist()]
+    return [_U32.pack(n) + data[bounds[j] : bounds[j + 1]] for j, n in enumerate(sizes)]
 
 
 def _varints(head: np.ndarray, count: int, what: str) -> tuple[list[int], int]:
@@ -462,25 +567,37 @@ def _table_varints(f: torch.Tensor) -> torch.Tensor:
     return torch.cat([m[:, None], f], 1)[keep]
 
 
-def _value_tables(hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(value tables, table of each class) for per-class symbol counts `hist` (K, A): a class gets
-    its own table when that saves more than the table costs (~12 bits an entry, estimated),
-    the others share one pooled table (the writer's choice: any assignment decodes)."""
+def _value_tables(hists: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(value tables, table of each class) of each tensor, from its per-class symbol counts
+    (K, A): a class gets its own table when that saves more than the table costs (~12 bits an
+    entry, estimated), the others share one pooled table, first (the writer's choice: any
+    assignment decodes). Every tensor's classes at once."""
+    hist = torch.cat(hists)
+    k = torch.tensor([h.shape[0] for h in hists])
+    tensor = torch.repeat_interleave(torch.arange(len(hists)), k)
     counts = hist.to(torch.float64)
     n = counts.sum(1, keepdim=True)
     own_bits = -(counts * torch.log2(torch.where(counts > 0, counts / n, 1))).sum(1)
-    pooled = counts.sum(0) + 0.5
-    pooled_bits = -(counts * torch.log2(pooled / pooled.sum())).sum(1)
+    pooled = torch.zeros(len(hists), hist.shape[1], dtype=torch.float64).index_add_(0, tensor, counts) + 0.5
+    pooled_bits = -(counts * torch.log2(pooled / pooled.sum(1, keepdim=True))[tensor]).sum(1)
     entries = ((hist > 0) * torch.arange(1, hist.shape[1] + 1)).amax(1) + 1
     own = own_bits + 12 * entries < pooled_bits
-    if not bool(own.any()):  # one table
-        return normalise(hist.sum(0, keepdim=True)), torch.zeros(hist.shape[0], dtype=torch.int64)
-    if bool(own.all()):
-        return normalise(hist), torch.arange(hist.shape[0])
-    rows = torch.cat([hist[~own].sum(0, keepdim=True), hist[own]])
-    table = torch.zeros(hist.shape[0], dtype=torch.int64)
-    table[own] = torch.arange(1, int(own.sum()) + 1)
-    return normalise(rows), table
+    # Per tensor: the pooled row of the classes without their own table (if any), then own rows.
+    shared_rows = torch.zeros(len(hists), hist.shape[1], dtype=torch.int64).index_add_(
+        0, tensor[~own], hist[~own])
+    has_pool = torch.zeros(len(hists), dtype=torch.int64).index_add_(0, tensor, (~own).long()) > 0
+    own_before = torch.cumsum(own.long(), 0) - own.long()
+    first_class = torch.cumsum(k, 0) - k
+    own_rank = own_before - own_before[first_class][tensor]  # own classes before it, in its tensor
+    value_of = torch.where(own, has_pool.long()[tensor] + own_rank, 0)
+    rows_of = has_pool.long() + torch.zeros(len(hists), dtype=torch.int64).index_add_(0, tensor, own.long())
+    # Rows in tensor order, a tensor's pooled row before its own rows (those in class order).
+    span = 2 * hist.shape[0] + 2
+    key = torch.cat([tensor[own] * span + 2 * torch.arange(hist.shape[0])[own] + 1,
+                     torch.nonzero(has_pool).view(-1) * span])
+    rows = torch.cat([hist[own], shared_rows[has_pool]])[torch.argsort(key)]
+    tables = normalise(rows).split(rows_of.tolist()) if rows.shape[0] else []
+    return list(tables), list(value_of.split(k.tolist()))
 
 
 def encode_tensors(items: list[CtxInput]) -> list[tuple[bytes, bytes]]:
@@ -489,7 +606,7 @@ def encode_tensors(items: list[CtxInput]) -> list[tuple[bytes, bytes]]:
     if not items:
         return []
     device = items[0].base_bits.device
-    syms = [_symbols(it) for it in items]
+    syms = _symbols_all(items)
     per_class = torch.stack([s.per_class for s in syms]).cpu()
     sizes_all = torch.stack([s.hist for s in syms]).cpu()
     used = [torch.nonzero(row).view(-1) for row in per_class]
@@ -501,11 +618,8 @@ def encode_tensors(items: list[CtxInput]) -> list[tuple[bytes, bytes]]:
             0, s.ctx * VALUE_ALPHABET + s.value[0], torch.ones_like(s.ctx))
         for s, u in zip(syms, used, strict=True)
     ]).cpu().split([u.numel() * VALUE_ALPHABET for u in used])
-    value_f, value_of = [], []
-    for h, u in zip(hists, used, strict=True):
-        f, table = _value_tables(h.view(u.numel(), VALUE_ALPHABET))
-        value_f.append(f)
-        value_of.append(table)
+    value_f, value_of = _value_tables([h.view(u.numel(), VALUE_ALPHABET)
+                                       for h, u in zip(hists, used, strict=True)])
     tables, base = [], 0
     for f, s in zip(gap_f, syms, strict=True):
         tables.append(s.ctx + base)
@@ -529,17 +643,20 @@ def encode_tensors(items: list[CtxInput]) -> list[tuple[bytes, bytes]]:
     words_np = words.cpu().numpy().astype("<u2")
     lane_at = np.cumsum([0, *[lanes(c) for c in stream_counts]])
     word_at = np.concatenate([[0], np.cumsum(per_lane_np)])
-    streams = []
+    heads = []
     for j in range(len(stream_counts)):
         i = j % n
-        a, b = int(lane_at[j]), int(lane_at[j + 1])
-        lane_counts = torch.from_numpy(per_lane_np[a:b])
+        lane_counts = torch.from_numpy(per_lane_np[int(lane_at[j]) : int(lane_at[j + 1])])
         if j < n:
-            head = [torch.tensor([used[i].numel()]), used[i], counts[i], lane_counts]
+            heads.append([torch.tensor([used[i].numel()]), used[i], counts[i], lane_counts])
         else:
-            head = [torch.tensor([value_f[i].shape[0]]), _table_varints(value_f[i]), value_of[i], lane_counts]
+            heads.append([torch.tensor([value_f[i].shape[0]]), _table_varints(value_f[i]), value_of[i],
+                          lane_counts])
+    streams = []
+    for j, header in enumerate(_headers(heads)):
+        a, b = int(lane_at[j]), int(lane_at[j + 1])
         streams.append(b"".join([
-            _header(head), states_np[a:b].tobytes(), words_np[int(word_at[a]) : int(word_at[b])].tobytes(),
+            header, states_np[a:b].tobytes(), words_np[int(word_at[a]) : int(word_at[b])].tobytes(),
             extras[j],
         ]))
     return list(zip(streams[:n], streams[n:], strict=True))
@@ -648,48 +765,6 @@ def _device_ints(raw: list[bytes], dtype: torch.dtype, device: torch.device) -> 
     return narrow.to(device).to(torch.int64) & mask
 
 
-# Tensors of one size have their classes sorted together, at most this many elements at once
-# (a sort's temporaries are ~20 bytes an element); one larger tensor is sorted on its own.
-_SORT_ELEMENTS = 1 << 28
-
-
-@dataclass
-class _SortGroup:
-    """Entries of one size whose classes were sorted together, one row each."""
-
-    members: list[int]  # entry positions, in row order
-    numel: int
-    perm: torch.Tensor  # int64 (rows, numel): class-major position -> flat index, per row
-    hist: torch.Tensor  # int64 (rows, 256): elements per class, per row
-
-
-def _sort_groups(bases: list[torch.Tensor]) -> list[_SortGroup]:
-    """Each base's class order (as _class_order), tensors of one size in one batched sort: a few
-    sorts for a model's ~200 tensors instead of one (and its dozen small ops) each."""
-    by_numel: dict[int, list[int]] = {}
-    for i, b in enumerate(bases):
-        by_numel.setdefault(b.numel(), []).append(i)
-    groups = []
-    for numel, members in by_numel.items():
-        per = max(1, _SORT_ELEMENTS // numel)
-        for first in range(0, len(members), per):
-            rows = members[first : first + per]
-            stacked = bases[rows[0]].reshape(1, -1) if len(rows) == 1 else torch.stack(
-                [bases[i].reshape(-1) for i in rows])
-            cls = classes(stacked)
-            if cls.device.type == "cpu":  # numpy's stable sort of bytes is a radix sort (_class_order)
-                c = cls.numpy()
-                perm = torch.from_numpy(np.argsort(c, axis=1, kind="stable"))
-                hist = torch.from_numpy(np.stack([np.bincount(r, minlength=256) for r in c]).astype(np.int64))
-            else:
-                ordered, perm = torch.sort(cls, dim=1, stable=True)
-                values = torch.arange(256, device=cls.device).to(ordered.dtype).repeat(len(rows), 1)
-                end = torch.full((len(rows), 1), numel, dtype=torch.int64, device=cls.device)
-                hist = torch.diff(torch.cat([torch.searchsorted(ordered, values), end], 1), dim=1)
-            groups.append(_SortGroup(rows, numel, perm, hist))
-    return groups
-
-
 def decode_tensors(items: list[CtxStreams]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(sorted flat indices, zigzag deltas) of each entry, validated against its base tensor (int16
     view). Every step runs on all entries at once, whatever their number: the classes of
@@ -700,7 +775,8 @@ def decode_tensors(items: list[CtxStreams]) -> list[tuple[torch.Tensor, torch.Te
         return []
     device = items[0].base.device
     parsed_in_order = [_parse(it) for it in items]
-    groups = _sort_groups([it.base for it in items])
+    bases = [it.base for it in items]
+    groups = [_sort_group(bases, rows) for rows in _size_groups(bases)]
     order = [i for g in groups for i in g.members]  # working position -> the caller's position
     items, parsed = [items[i] for i in order], [parsed_in_order[i] for i in order]
     n_items = len(items)

@@ -323,6 +323,19 @@ def test_the_gpu_decodes_what_the_cpu_does() -> None:
 
 
 @needs_cuda
+def test_the_gpu_encodes_what_the_cpu_does() -> None:
+    """On a GPU the lanes encode in one Triton kernel (ctxans._encode_lanes): the patch is the
+    same, byte for byte, as the CPU's torch step loop writes."""
+    olds, news = {}, {}
+    for i, n in enumerate((1, 17, 3000, 70_000, 3000)):  # one symbol, a partial lane, many lanes
+        olds[f"t{i}"], news[f"t{i}"] = _adam_like(n, 40 + i, lr=3e-4)
+    cpu_patch = extract_patch(olds, news, encoding="ctxans", **VERSION)
+    gpu_patch = extract_patch({k: v.cuda() for k, v in olds.items()}, {k: v.cuda() for k, v in news.items()},
+                              encoding="ctxans", **VERSION)
+    assert gpu_patch == cpu_patch
+
+
+@needs_cuda
 def test_a_corrupt_lane_is_refused_on_the_gpu(patch: bytes) -> None:
     data = _mutated(patch, "index", lambda s: s[:-40] + bytes([s[-40] ^ 0x10]) + s[-39:])
     old, _ = _adam_like(3000, 8)
@@ -352,3 +365,19 @@ def test_entries_of_mixed_sizes_decode_together_in_the_callers_order(monkeypatch
         bad[name] = torch.full((sizes[int(name[1])],), 1.0).bfloat16()  # one exponent class only
     with pytest.raises(CorruptPatchError, match="^t1: .*class"):
         apply_patch(bad, patch, verify=False)
+
+
+def test_value_tables_own_pooled_and_mixed_in_one_call() -> None:
+    """Per tensor: classes whose own table pays get one (in class order, after the pooled row of
+    the rest, if any); every tensor's choice in one call, each as if alone."""
+    mixed = torch.zeros(4, ctxans.VALUE_ALPHABET, dtype=torch.int64)
+    mixed[0, :5] = torch.tensor([100000, 50000, 100, 10, 1])
+    mixed[1, 3:9] = torch.tensor([90000, 10, 10, 10, 10, 70000])
+    mixed[2:, 0], mixed[2:, 1] = 2, 1
+    flat = torch.ones(2, ctxans.VALUE_ALPHABET, dtype=torch.int64)  # nothing pays: one pooled table
+    tables, value_of = ctxans._value_tables([mixed, flat, mixed[:2]])
+    assert [v.tolist() for v in value_of] == [[1, 2, 0, 0], [0, 0], [0, 1]]
+    assert torch.equal(tables[0], ctxans.normalise(torch.stack([mixed[2:].sum(0), mixed[0], mixed[1]])))
+    assert torch.equal(tables[1], ctxans.normalise(flat.sum(0, keepdim=True)))
+    assert torch.equal(tables[2], ctxans.normalise(mixed[:2]))
+    assert all(int(t.sum(1).unique()) == ctxans.TOTAL for t in tables)
