@@ -14,7 +14,9 @@ and size (nothing stored: a stored table per class cost ~0.3 bit per change on t
 value tables are stored, one per class where that pays, else pooled per tensor. Coder:
 32-bit rANS with 16-bit renormalisation (Duda, arXiv 1311.2540; the word variant of F. Giesen's
 public-domain ryg_rans), `LANE_STEPS`-symbol lanes that code independently, so every lane of every
-tensor of a patch advances in one vectorised torch step (CPU threads or one GPU).
+tensor of a patch advances together (one vectorised torch step on CPU threads; on a GPU one Triton
+kernel runs each lane's steps). Everything around the coder also runs on all entries at once
+(same-size bases share one class sort), so a model's ~200 tensors cost a fixed number of passes.
 """
 
 from __future__ import annotations
