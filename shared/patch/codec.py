@@ -512,12 +512,13 @@ def decode_ctxans(
                           stream_bytes(data, header, e.payload), bits(state[e.name]))
         for e in entries
     ]
-    out = []
-    for e, (indices, z) in zip(entries, ctxans.decode_tensors(items), strict=True):
-        old_bits = bits(state[e.name])[indices]
-        out.append(DecodedTensor(e.name, indices, from_unsigned(to_unsigned(old_bits, 2) + unzigzag(z), 2),
-                                 old_bits))
-    return out
+    decoded = ctxans.decode_tensors(items)
+    olds = [bits(state[e.name])[indices] for e, (indices, _) in zip(entries, decoded, strict=True)]
+    # The new bit patterns of every entry in one pass (per entry: four small ops, ~200 entries).
+    new = from_unsigned(to_unsigned(torch.cat(olds), 2) + unzigzag(torch.cat([z for _, z in decoded])), 2)
+    return [DecodedTensor(e.name, indices, n, old)
+            for e, (indices, _), n, old in zip(entries, decoded, new.split([o.numel() for o in olds]), olds,
+                                               strict=True)]
 
 
 def decode_patch(

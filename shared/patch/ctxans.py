@@ -542,23 +542,44 @@ def _headers(heads: list[list[torch.Tensor]]) -> list[bytes]:
     return [_U32.pack(n) + data[bounds[j] : bounds[j + 1]] for j, n in enumerate(sizes)]
 
 
-def _varints(head: np.ndarray, count: int, what: str) -> tuple[list[int], int]:
-    """(the first `count` LEB128 values of `head`, their bytes), refusing a short header and
-    encodings that are over-long or longer than 9 bytes (§3)."""
-    ends = np.flatnonzero(head < 0x80)[:count]
-    if count == 0 or ends.size < count:
-        raise CorruptPatchError(f"{what}: header holds fewer varints than it declares")
+def _varints(streams: list[memoryview], what: list[str]) -> list[tuple[list[int], int]]:
+    """Per stream: (the LEB128 values its u32 count declares, the header's bytes, count included),
+    every stream's in one numpy pass; refuses a stream shorter than its count, a header holding
+    fewer varints than it declares, and encodings over-long or longer than 9 bytes (§3), naming
+    the first such stream."""
+    for data, name in zip(streams, what, strict=True):
+        if len(data) < 4:
+            raise CorruptPatchError(f"{name}: shorter than its header")
+    counts = np.array([_U32.unpack(data[:4])[0] for data in streams], dtype=np.int64)
+    heads = [np.frombuffer(data[4 : 4 + 9 * int(c)], dtype=np.uint8)
+             for data, c in zip(streams, counts, strict=True)]
+    head = np.concatenate(heads) if heads else np.zeros(0, dtype=np.uint8)
+    region_end = np.cumsum([h.size for h in heads], dtype=np.int64)
+    region_start = region_end - [h.size for h in heads]
+    term = np.flatnonzero(head < 0x80)
+    first = np.searchsorted(term, region_start)
+    short = (counts == 0) | (np.searchsorted(term, region_end) - first < counts)
+    if short.any():
+        name = what[int(np.flatnonzero(short)[0])]
+        raise CorruptPatchError(f"{name}: header holds fewer varints than it declares")
+    stream = np.repeat(np.arange(len(streams)), counts)
+    value_first = np.cumsum(counts) - counts
+    ends = term[first[stream] + np.arange(int(counts.sum())) - value_first[stream]]
     starts = np.concatenate([[0], ends[:-1] + 1])
+    starts[value_first] = region_start  # each stream's first value starts its region
     lengths = ends - starts + 1
-    if lengths.max() > 9:
-        raise CorruptPatchError(f"{what}: varint longer than 9 bytes in the header")
-    if bool(((lengths > 1) & (head[ends] == 0)).any()):
-        raise CorruptPatchError(f"{what}: over-long varint (last byte 0x00) in the header")
-    values = np.zeros(count, dtype=np.uint64)
-    for k in range(int(lengths.max())):
+    for bad, problem in ((lengths > 9, "varint longer than 9 bytes in the header"),
+                         ((lengths > 1) & (head[ends] == 0),
+                          "over-long varint (last byte 0x00) in the header")):
+        if bad.any():
+            raise CorruptPatchError(f"{what[int(stream[np.flatnonzero(bad)[0]])]}: {problem}")
+    values = np.zeros(ends.size, dtype=np.uint64)
+    for k in range(int(lengths.max(initial=1))):
         sel = lengths > k
         values[sel] |= (head[starts[sel] + k] & 0x7F).astype(np.uint64) << np.uint64(7 * k)
-    return values.tolist(), int(ends[-1]) + 1
+    per_stream = np.split(values, np.cumsum(counts)[:-1])
+    last_end = ends[np.cumsum(counts) - 1] - region_start
+    return [(v.tolist(), 4 + int(e) + 1) for v, e in zip(per_stream, last_end, strict=True)]
 
 
 def _table_varints(f: torch.Tensor) -> torch.Tensor:
@@ -670,14 +691,8 @@ def encode_tensors(items: list[CtxInput]) -> list[tuple[bytes, bytes]]:
 class _Reader:
     """The varint header, lane states and words of one ctxans stream, checked as it goes."""
 
-    def __init__(self, data: bytes | memoryview, what: str):
-        self.data, self.what, self.at = memoryview(data), what, 0
-        if len(self.data) < 4:
-            raise CorruptPatchError(f"{what}: shorter than its header")
-        (count,) = _U32.unpack(self.data[:4])
-        head = np.frombuffer(self.data[4 : 4 + 9 * count], dtype=np.uint8)
-        self.values, size = _varints(head, count, what)
-        self.at = 4 + size
+    def __init__(self, data: memoryview, what: str, values: list[int], header_bytes: int):
+        self.data, self.what, self.values, self.at = data, what, values, header_bytes  # from _varints
         self.next = 0
 
     def ints(self, n: int) -> list[int]:
@@ -696,7 +711,7 @@ class _Reader:
             raise CorruptPatchError(f"{self.what}: table does not sum to {TOTAL} or ends in a zero")
         return f + [0] * (GAP_ALPHABET - m)
 
-    def body(self, width: int) -> tuple[list[int], bytes, bytes, bytes]:
+    def body(self, width: int) -> tuple[list[int], memoryview, memoryview, memoryview]:
         """(lane word counts, states, words, the rest = extra bits) once the tables are read."""
         lane_counts = self.ints(width)
         if self.next != len(self.values):
@@ -706,8 +721,8 @@ class _Reader:
         words_end = states_end + 2 * n_words
         if len(self.data) < words_end:
             raise CorruptPatchError(f"{self.what}: stream shorter than its lanes")
-        return (lane_counts, bytes(self.data[self.at : states_end]), bytes(self.data[states_end:words_end]),
-                bytes(self.data[words_end:]))
+        rest = self.data[words_end:]
+        return lane_counts, self.data[self.at : states_end], self.data[states_end:words_end], rest
 
 
 @dataclass
@@ -727,15 +742,25 @@ class _Parsed:
     class_counts: list[int]
     value_tables: list[list[int]]
     value_of: list[int]  # per used class: its value table
-    bodies: list[tuple[list[int], bytes, bytes, bytes]]  # index, payload
+    bodies: list[tuple[list[int], memoryview, memoryview, memoryview]]  # index, payload
 
 
-def _parse(it: CtxStreams) -> _Parsed:
-    """Both streams' headers of one entry (host only), checked as far as they go without the base."""
-    if not supports("bfloat16", it.base.numel()):
-        raise TensorMismatchError(f"{it.name}: ctxans needs a bfloat16 tensor below 2**31 elements")
-    what = f"{it.name}: index stream"
-    r = _Reader(it.index, what)
+def _parse_all(items: list[CtxStreams]) -> list[_Parsed]:
+    """Every entry's two stream headers (host only, their varints in one pass), each checked as far
+    as it goes without the base."""
+    for it in items:
+        if not supports("bfloat16", it.base.numel()):
+            raise TensorMismatchError(f"{it.name}: ctxans needs a bfloat16 tensor below 2**31 elements")
+    streams = [memoryview(data) for it in items for data in (it.index, it.payload)]
+    what = [f"{it.name}: {kind} stream" for it in items for kind in ("index", "payload")]
+    heads = _varints(streams, what)
+    return [_parse(it, *(_Reader(streams[j], what[j], *heads[j]) for j in (2 * i, 2 * i + 1)))
+            for i, it in enumerate(items)]
+
+
+def _parse(it: CtxStreams, r: _Reader, payload: _Reader) -> _Parsed:
+    """Both streams' headers of one entry, checked as far as they go without the base."""
+    what = r.what
     (k,) = r.ints(1)
     if not 1 <= k <= 256:
         raise CorruptPatchError(f"{what}: {k} classes")
@@ -745,8 +770,7 @@ def _parse(it: CtxStreams) -> _Parsed:
     if min(class_counts) < 1 or sum(class_counts) != it.count:
         raise CorruptPatchError(f"{what}: class counts do not sum to the entry's count")
     index_body = r.body(lanes(it.count))
-    what = f"{it.name}: payload stream"
-    r = _Reader(it.payload, what)
+    r, what = payload, payload.what
     (n_tables,) = r.ints(1)
     if not 1 <= n_tables <= k:
         raise CorruptPatchError(f"{what}: {n_tables} value tables for {k} classes")
@@ -776,7 +800,7 @@ def decode_tensors(items: list[CtxStreams]) -> list[tuple[torch.Tensor, torch.Te
     if not items:
         return []
     device = items[0].base.device
-    parsed_in_order = [_parse(it) for it in items]
+    parsed_in_order = _parse_all(items)
     bases = [it.base for it in items]
     groups = [_sort_group(bases, rows) for rows in _size_groups(bases)]
     order = [i for g in groups for i in g.members]  # working position -> the caller's position
