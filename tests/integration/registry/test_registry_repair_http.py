@@ -159,6 +159,30 @@ def test_idle_keep_alive_connections_are_closed(tmp_path: Path) -> None:
             assert sock.recv(4096) == b""  # closed by the server
 
 
+def test_a_client_keeps_its_connection_between_versions(tmp_path: Path) -> None:
+    """Registry and client keep an idle connection longer than uvicorn's and httpx's 5 s defaults
+    (KEEP_ALIVE_S), so the next version's transfer reuses a connection whose TCP windows already
+    grew (docs/registry.md, relays over long round trips)."""
+    port = free_port()
+
+    async def main() -> tuple[int, int]:
+        client = RegistryClient(f"http://127.0.0.1:{port}", RUN)
+        try:
+            ports = []
+            for wait in (0.0, 6.0):
+                await asyncio.sleep(wait)
+                answer = await client._http.get("/healthz")
+                assert answer.status_code == 200
+                ports.append(answer.extensions["network_stream"].get_extra_info("client_addr")[1])
+            return ports[0], ports[1]
+        finally:
+            await client.aclose()
+
+    with registry_process(port, f"file://{tmp_path}"):
+        first, second = asyncio.run(main())
+    assert first == second
+
+
 @needs_tmpfs_namespaces
 def test_a_really_full_filesystem_answers_507_and_recovers(tmp_path: Path) -> None:
     """The registry as its own process on a 2 MB tmpfs mounted in a private mount namespace; the
