@@ -22,6 +22,7 @@ kernel runs each lane's steps). Everything around the coder also runs on all ent
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -129,7 +130,7 @@ def value_symbols(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def _from_symbols(
-    sym: torch.Tensor, extra: list[bytes], what: list[str], counts: list[int] | None = None
+    sym: torch.Tensor, extra: Sequence[bytes | memoryview], what: list[str], counts: list[int] | None = None
 ) -> torch.Tensor:
     """Inverse of gap_symbols, reading the extra bits of each segment of `counts` symbols from
     its bytes (checked)."""
@@ -434,7 +435,7 @@ def pack_bits(values: torch.Tensor, nbits: torch.Tensor, counts: list[int] | Non
 
 
 def unpack_bits(
-    data: list[bytes], nbits: torch.Tensor, what: list[str], counts: list[int] | None = None
+    data: Sequence[bytes | memoryview], nbits: torch.Tensor, what: list[str], counts: list[int] | None = None
 ) -> torch.Tensor:
     """Inverse of pack_bits; refuses a segment of the wrong byte count or with non-zero padding
     bits (above the last field, in the segment's last byte)."""
@@ -781,7 +782,7 @@ def _parse(it: CtxStreams, r: _Reader, payload: _Reader) -> _Parsed:
     return _Parsed(used, class_counts, value_tables, value_of, [index_body, r.body(lanes(it.count))])
 
 
-def _device_ints(raw: list[bytes], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _device_ints(raw: Sequence[bytes | memoryview], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The little-endian integers of `dtype` (int16: u16 words, int32: u32 states) in the joined
     byte strings, as int64 on `device`: one copy of the narrow bytes, widened there (widening on
     the host and copying int64 cost ~4x the bytes)."""
