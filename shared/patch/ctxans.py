@@ -94,18 +94,17 @@ def _sort_group(bases: list[torch.Tensor], rows: list[int]) -> _SortGroup:
         hist = torch.from_numpy(np.stack([np.bincount(r, minlength=256) for r in c]).astype(np.int64))
     else:  # no host sync (CUDA's bincount has one): the class sizes from the sorted classes
         ordered, perm = torch.sort(cls, dim=1, stable=True)
-        values = torch.arange(256, device=cls.device).to(ordered.dtype).repeat(len(rows), 1)
-        end = torch.full((len(rows), 1), numel, dtype=torch.int64, device=cls.device)
-        hist = torch.diff(torch.cat([torch.searchsorted(ordered, values), end], 1), dim=1)
+        hist = _sizes(ordered, 256)
     return _SortGroup(rows, numel, perm, hist)
 
 
 def _sizes(ordered: torch.Tensor, n: int) -> torch.Tensor:
-    """How many of the non-decreasing values `ordered` (all below n) equal 0 .. n-1, with no host
-    sync (CUDA's bincount has one)."""
-    values = torch.arange(n, device=ordered.device).to(ordered.dtype)
-    end = torch.full((1,), ordered.numel(), dtype=torch.int64, device=ordered.device)
-    return torch.diff(torch.cat([torch.searchsorted(ordered, values), end]))
+    """How many of the values `ordered` (non-decreasing along its last dimension, all below n)
+    equal 0 .. n-1, per row of a 2-D input, with no host sync (CUDA's bincount has one)."""
+    rows = ordered.shape[:-1]
+    values = torch.arange(n, device=ordered.device).to(ordered.dtype).expand(*rows, n).contiguous()
+    end = torch.full((*rows, 1), ordered.shape[-1], dtype=torch.int64, device=ordered.device)
+    return torch.diff(torch.cat([torch.searchsorted(ordered, values), end], -1), dim=-1)
 
 
 def _bit_length(g: torch.Tensor) -> torch.Tensor:
@@ -481,12 +480,11 @@ def _symbols_all(items: list[CtxInput]) -> list[_Symbols]:
     """Gap and value symbols of each tensor's changes in class-major order (no host sync), tensors
     of one size together (_size_groups), one group's class order in memory at a time."""
     bases = [it.base_bits for it in items]
-    out: list[_Symbols | None] = [None] * len(items)
+    found: dict[int, _Symbols] = {}
     for rows in _size_groups(bases):
-        group = _sort_group(bases, rows)
-        for i, sym in zip(rows, _group_symbols(group, [items[i] for i in rows]), strict=True):
-            out[i] = sym
-    return [s for s in out if s is not None]
+        symbols = _group_symbols(_sort_group(bases, rows), [items[i] for i in rows])
+        found.update(zip(rows, symbols, strict=True))
+    return [found[i] for i in range(len(items))]
 
 
 def _group_symbols(group: _SortGroup, items: list[CtxInput]) -> list[_Symbols]:
@@ -862,23 +860,20 @@ def decode_tensors(items: list[CtxStreams]) -> list[tuple[torch.Tensor, torch.Te
     key, at = torch.sort((item_of_change << 31) | flat)
     flat_sorted = (key & ((1 << 31) - 1)).split(change_counts)
     z_sorted = z[at].split(change_counts)
-    out: list[tuple[torch.Tensor, torch.Tensor]] = [(flat_sorted[0], z_sorted[0])] * n_items
-    for position_here, caller in enumerate(order):
-        out[caller] = (flat_sorted[position_here], z_sorted[position_here])
-    return out
+    here = {caller: i for i, caller in enumerate(order)}  # the caller's position -> working position
+    return [(flat_sorted[here[i]], z_sorted[here[i]]) for i in range(n_items)]
 
 
 def _refuse_segments(items: list[CtxStreams], order: list[int], bad: torch.Tensor, lengths: list[int],
                      what: str) -> None:
     """One host sync for a check over every entry's consecutive `lengths` elements of `bad`; raise
     for the entry that fails it first in the caller's order (`order`: working -> caller's)."""
-    ends = torch.cumsum(torch.tensor(lengths, dtype=torch.int64, device=bad.device), 0)
+    length = torch.tensor(lengths, dtype=torch.int64, device=bad.device)
+    ends = torch.cumsum(length, 0)
     running = torch.cat([bad.new_zeros(1, dtype=torch.int64), torch.cumsum(bad.to(torch.int64), 0)])
-    failed = torch.nonzero(running[ends] - running[ends - torch.tensor(lengths, device=bad.device)]).view(-1)
-    if failed.numel():
-        first = min(order[int(i)] for i in failed.tolist())
-        name = next(it.name for it, caller in zip(items, order, strict=True) if caller == first)
-        raise CorruptPatchError(f"{name}: {what}")
+    failed = torch.nonzero(running[ends] - running[ends - length]).view(-1).tolist()
+    if failed:
+        raise CorruptPatchError(f"{items[min(failed, key=lambda i: order[i])].name}: {what}")
 
 
 def _ranks(gap: torch.Tensor, ctx: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
