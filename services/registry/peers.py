@@ -11,7 +11,7 @@ and every pair of neighbours is the same from one version to the next. That last
 keeps the pipeline fast over long round trips: the head's connections to the registry and each
 hop's connection to its predecessor are kept open between versions (keep-alive) and keep the
 congestion and receive windows they grew on the previous version, where a new pairing would start
-a new connection from TCP's initial window (docs/registry.md, "Relays over long round trips").
+a new connection from TCP's initial window (docs/registry.md, "Relays built for latency").
 
 The order holds although workers learn of a version at slightly different times: a worker that
 announces a new single-version patch while a predecessor that is at the patch's base version has
