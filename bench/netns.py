@@ -153,7 +153,9 @@ class Net:
         tcp_rmem, how far autotuning grows a socket's buffers (one stream carries at most its
         window per RTT; None: the namespace's default), and net.ipv4.tcp_slow_start_after_idle
         (False: a connection idle between versions keeps its congestion window). Returns the
-        settings as written, for the results."""
+        settings as written and the congestion control in effect (new namespaces take the host's:
+        bbr on some kernels, cubic on most distributions'; a namespace may not change it), for the
+        results."""
         settings = {"net.ipv4.tcp_slow_start_after_idle": "1" if slow_start_after_idle else "0"}
         if buffer_max is not None:
             settings["net.ipv4.tcp_wmem"] = f"4096 16384 {buffer_max}"
@@ -161,7 +163,10 @@ class Net:
         for ns in (self.hub, *self.workers):
             for name, value in settings.items():
                 sh(*self.ns_prefix(ns), "sysctl", "-qw", f"{name}={value}")
-        return settings
+        in_effect = subprocess.run(
+            [*self.ns_prefix(self.hub), "sysctl", "-n", "net.ipv4.tcp_congestion_control"],
+            capture_output=True, text=True, check=True).stdout.strip()
+        return settings | {"net.ipv4.tcp_congestion_control": in_effect}
 
     def _rate(self, ns: str, dev: str, bps: float | None) -> None:
         sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)

@@ -30,5 +30,8 @@ def test_tune_tcp_sets_the_hub_and_workers_namespaces_only() -> None:
                    for name in NAMES}
             assert got == {"net.ipv4.tcp_wmem": f"4096 16384 {48 << 20}",
                            "net.ipv4.tcp_rmem": f"4096 131072 {48 << 20}",
-                           "net.ipv4.tcp_slow_start_after_idle": "0"} == written
+                           "net.ipv4.tcp_slow_start_after_idle": "0"}
+            assert {k: v for k, v in written.items() if k in NAMES} == got
+        # The congestion control in effect is reported (the host's: a namespace takes it at creation).
+        assert written["net.ipv4.tcp_congestion_control"] == host("net.ipv4.tcp_congestion_control")
     assert {name: host(name) for name in NAMES} == before
