@@ -163,10 +163,8 @@ class Net:
         for ns in (self.hub, *self.workers):
             for name, value in settings.items():
                 sh(*self.ns_prefix(ns), "sysctl", "-qw", f"{name}={value}")
-        in_effect = subprocess.run(
-            [*self.ns_prefix(self.hub), "sysctl", "-n", "net.ipv4.tcp_congestion_control"],
-            capture_output=True, text=True, check=True).stdout.strip()
-        return settings | {"net.ipv4.tcp_congestion_control": in_effect}
+        in_effect = sh(*self.ns_prefix(self.hub), "sysctl", "-n", "net.ipv4.tcp_congestion_control").stdout
+        return settings | {"net.ipv4.tcp_congestion_control": in_effect.strip()}
 
     def _rate(self, ns: str, dev: str, bps: float | None) -> None:
         sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
