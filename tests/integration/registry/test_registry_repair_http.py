@@ -162,7 +162,7 @@ def test_idle_keep_alive_connections_are_closed(tmp_path: Path) -> None:
 def test_a_client_keeps_its_connection_between_versions(tmp_path: Path) -> None:
     """Registry and client keep an idle connection longer than uvicorn's and httpx's 5 s defaults
     (KEEP_ALIVE_S), so the next version's transfer reuses a connection whose TCP windows already
-    grew (docs/registry.md, relays over long round trips)."""
+    grew (docs/registry.md, "Relays built for latency")."""
     port = free_port()
 
     async def main() -> tuple[int, int]:
