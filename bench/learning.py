@@ -584,6 +584,19 @@ def plot(path: Path) -> Path:
     return png
 
 
+def configure(fields: dict[str, Any], overrides: list[str]) -> LearningConfig:
+    """The preset's fields with each `KEY=JSON` override applied; a dotted key sets a nested field
+    (`recipe.evict_share=0.5`: the warm-start recipe's), and the result is validated once."""
+    for item in overrides:
+        key, _, value = item.partition("=")
+        *parents, leaf = key.split(".")
+        target = fields
+        for parent in parents:
+            target = target[parent]
+        target[leaf] = json.loads(value)
+    return LearningConfig.model_validate(fields)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["arm"]:
@@ -607,7 +620,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--parallel", type=int, default=0, help="arm processes at once (0 = all)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
-                   help="override a config field, e.g. --set lr=3e-4 --set steps=100")
+                   help="override a config field, e.g. --set lr=3e-4 --set steps=100 --set recipe.evict_share=0.5")
     p.add_argument("--cache", type=Path, default=Path(".cache/warmstart"))
     p.add_argument("--out", type=Path)
     p.add_argument("--deadline", type=float,
@@ -616,10 +629,7 @@ def main(argv: list[str] | None = None) -> None:
     fields = PRESETS[a.preset].model_dump()
     if a.device:
         fields["device"] = a.device
-    for item in a.set:
-        key, _, value = item.partition("=")
-        fields[key] = json.loads(value)
-    cfg = LearningConfig.model_validate(fields)
+    cfg = configure(fields, a.set)
     arms = a.arms.split(",")
     seeds = [int(s) for s in a.seeds.split(",")]
     out = a.out or RESULTS / f"learning-{a.preset}.json"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.learning import ARMS, LearningConfig, run_arm, summarise
+from bench.learning import ARMS, PRESETS, LearningConfig, configure, run_arm, summarise
 from services.trainer.kv_budget import KVControlSettings
 from services.trainer.warmstart import WarmstartRecipe
 
@@ -59,3 +59,14 @@ def test_a_run_stopped_at_the_deadline_is_summarised_from_what_it_logged() -> No
     assert summary["sparse_rl"]["eval_steps"] == [0, 20, 40]
     assert summary["sparse_rl"]["curve"]["dense_t1"] == pytest.approx([0.4, 0.4, 0.6])  # step 40: one run
     assert summary["sparse_rl"]["worst_vs_start_per_seed"] == pytest.approx([0.0, -0.1])
+
+
+def test_a_dotted_override_sets_a_field_of_the_warm_start_recipe() -> None:
+    kv = {"policy": "rkv", "budget": 32, "buffer": 16, "keep_prompt": True}
+    cfg = configure(PRESETS["gpu"].model_dump(),
+                    ["lr=3e-5", "recipe.evict_share=0.5", f"recipe.evict_kv={json.dumps(kv)}"])
+    assert cfg.lr == 3e-5
+    assert cfg.recipe.evict_share == 0.5 and cfg.recipe.evict_kv == kv
+    assert cfg.recipe.fingerprint() != PRESETS["gpu"].recipe.fingerprint()  # another warm start
+    with pytest.raises(ValueError):  # validated like any other field
+        configure(PRESETS["gpu"].model_dump(), ["recipe.evict_share=2"])
