@@ -620,7 +620,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--parallel", type=int, default=0, help="arm processes at once (0 = all)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
-                   help="override a config field, e.g. --set lr=3e-4 --set steps=100 --set recipe.evict_share=0.5")
+                   help="override a config field, e.g. --set lr=3e-4 --set steps=100 "
+                   "--set recipe.evict_share=0.5")
     p.add_argument("--cache", type=Path, default=Path(".cache/warmstart"))
     p.add_argument("--out", type=Path)
     p.add_argument("--deadline", type=float,
