@@ -4,7 +4,9 @@ Arms (Sparse-RL, arXiv 2601.10079):
   dense      rollouts with a dense KV cache: the reference run
   naive      R-KV rollouts at the calibrated budget, every correction off: the sparse sampler's
              tokens are trained on as if the dense policy had sampled them
-  sparse_rl  R-KV rollouts with the sequence veto, the token mask and ξ reweighting
+  sparse_rl  R-KV rollouts with the sequence veto, the token mask and ξ reweighting: the authors'
+             rule (`divergence_rule="token"`), whatever the trainer's default
+  veto, veto_negative, truncate_negative  (optional) sparse_rl with that divergence rule
   tis        (optional) R-KV rollouts with truncated, normalised ξ weights only
   adaptive   (optional) sparse_rl with the trainer's KV budget controller (services.trainer.
              kv_budget, settings `kv_control`) moving the rollout budget between steps from the
@@ -75,21 +77,25 @@ RESULTS = Path(__file__).resolve().parent / "results"
 EVAL_SEED = 990_001  # held-out prompts: one fixed set for every arm, seed and evaluation
 TRAIN_SEED_STRIDE = 1_000_003  # prompts of step t for seed s: seed s * stride + t
 
-OFF = CorrectionConfig(sequence_veto=False, token_mask=False, token_weight=False)
+OFF = CorrectionConfig(sequence_veto=False, token_mask=False, token_weight=False, divergence_rule="token")
+# The authors' rule (Sparse-RL's mis.py: a divergent token is masked, its sequence kept), which the
+# arms below were measured with before the trainer's default became veto_negative.
+AUTHORS = CorrectionConfig(divergence_rule="token")
 ARMS: dict[str, tuple[str, LossConfig]] = {  # name -> (rollout KV policy, loss without kl_coef)
     "dense": ("dense", LossConfig()),
     "naive": ("rkv", LossConfig(corrections=OFF, scale_lr_by_survivors=False)),
-    "sparse_rl": ("rkv", LossConfig()),
-    "tis": ("rkv", LossConfig(corrections=CorrectionConfig(sequence_veto=False, token_mask=False))),
+    "sparse_rl": ("rkv", LossConfig(corrections=AUTHORS)),
+    "tis": ("rkv", LossConfig(corrections=CorrectionConfig(sequence_veto=False, token_mask=False,
+                                                           divergence_rule="token"))),
     # The divergence rules (docs/training.md, "Rejection rules") and the authors' rule with the
     # step size left to Adam (no lr scaling by the surviving share): what chose the defaults.
     "veto": ("rkv", LossConfig(corrections=CorrectionConfig(divergence_rule="veto"))),
     "veto_negative": ("rkv", LossConfig(corrections=CorrectionConfig(divergence_rule="veto_negative"))),
     "truncate_negative": ("rkv",
                           LossConfig(corrections=CorrectionConfig(divergence_rule="truncate_negative"))),
-    "sparse_rl_unscaled": ("rkv", LossConfig(scale_lr_by_survivors=False)),
+    "sparse_rl_unscaled": ("rkv", LossConfig(corrections=AUTHORS, scale_lr_by_survivors=False)),
     # The trainer recomputes log-probs under the sampler's replayed eviction (LossConfig.recompute).
-    "replayed": ("rkv", LossConfig(recompute="replayed")),
+    "replayed": ("rkv", LossConfig(corrections=AUTHORS, recompute="replayed")),
 }
 # Sparse-RL's corrections with the rollout budget moved by the trainer's controller (issue 26).
 ADAPTIVE = "adaptive"
@@ -223,7 +229,8 @@ def dense_mismatch(learner: Learner, trajectories: list[Trajectory], version: in
     corrections = sparse_rl_corrections(logp_dense, batch.logp_sampler, batch.completion_mask,
                                         ARMS["sparse_rl"][1].corrections,
                                         grpo_advantages(batch.rewards, batch.group_index))
-    figures = {f"dense_{k}": float(corrections.metrics[k]) for k in ("rejection_rate", "kl_old_sampler")}
+    figures = {f"dense_{k}": float(corrections.metrics[k])
+               for k in ("rejection_rate", "divergent_rate", "kl_old_sampler")}
     return [Evidence(version=version, budget=budget, sequences=batch.sequences,
                      value=figures[f"dense_{metric}"])], figures
 

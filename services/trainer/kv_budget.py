@@ -46,7 +46,10 @@ from pydantic import BaseModel, Field, model_validator
 
 from shared.schemas import Trajectory
 
-Metric = Literal["rejection_rate", "kl_old_sampler"]
+# divergent_rate: the share of sequences with a token the dense policy would rarely have sampled
+# (ξ < mask_low). Under a rule that vetoes only some of them (the default veto_negative, or the
+# authors' token rule) the veto rate understates the mismatch: 3 % vetoed with 35 % divergent was seen.
+Metric = Literal["rejection_rate", "divergent_rate", "kl_old_sampler"]
 
 
 class KVControlSettings(BaseModel):
@@ -54,7 +57,8 @@ class KVControlSettings(BaseModel):
 
     mode: Literal["fixed", "adaptive"] = "fixed"
     metric: Metric = "rejection_rate"
-    # In the metric's units: a share of sequences for rejection_rate, nats per token for kl_old_sampler.
+    # In the metric's units: a share of sequences for rejection_rate and divergent_rate, nats per
+    # token for kl_old_sampler.
     target: float = Field(default=0.3, gt=0)
     # Half-width of the hold band, a fraction of the target: hold while |signal − target| ≤ deadband × target.
     deadband: float = Field(default=0.2, ge=0, lt=1)

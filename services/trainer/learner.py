@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 REPLAY_VERSIONS = 4
 # Correction metrics reported per staleness (trainer version − sampling version): with staleness
 # > 0, ξ mixes weight lag with KV sparsity, so the two are only comparable split this way.
-_BY_STALENESS = ("xi_mean", "kl_old_sampler", "rejection_rate", "token_mask_rate")
+_BY_STALENESS = ("xi_mean", "kl_old_sampler", "rejection_rate", "divergent_rate", "token_mask_rate")
 
 
 def resolve_device(name: str) -> torch.device:

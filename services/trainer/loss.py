@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field
 
 
 class CorrectionConfig(BaseModel):
-    """Sparse-RL correction switches and constants (defaults: Sparse-RL `mis.py`)."""
+    """Sparse-RL correction switches and constants (defaults: Sparse-RL `mis.py` but `divergence_rule`)."""
 
     log_ratio_clamp: float = Field(20.0, gt=0, description="clamp of log ξ before exp")
     sequence_veto: bool = True
@@ -45,7 +45,10 @@ class CorrectionConfig(BaseModel):
     #                       sampler's doing, and its later tokens would push the dense policy away from
     #                       continuations it had right
     #   truncate_negative   a negative-advantage sequence keeps only the tokens before its first divergence
-    divergence_rule: Literal["token", "veto", "veto_negative", "truncate_negative"] = "token"
+    # Default veto_negative: on a GPU grid it kept the dense policy closest to dense RL's in three
+    # cells of four (the authors' rule ended 17 points below dense in one where a third of the
+    # sequences diverged but 3 % were vetoed); "token" stays for the authors' behaviour.
+    divergence_rule: Literal["token", "veto", "veto_negative", "truncate_negative"] = "veto_negative"
 
 
 # How token losses become the batch loss. "seq_mean_token_mean" (Sparse-RL's slime default,

@@ -59,3 +59,12 @@ def test_rules_agree_when_nothing_diverges(rule: str) -> None:
                               CorrectionConfig(divergence_rule=rule), torch.tensor([1.0, -1.0, 0.0]))  # type: ignore[arg-type]
     assert c.keep_token.all() and c.metrics["divergent_rate"] == 0.0
     assert math.isclose(float(c.weight.mean()), 1.0, rel_tol=1e-6)
+
+
+def test_the_default_rule_vetoes_divergent_losers_only() -> None:
+    """The trainer's default (docs/training.md, "Rejection rules"): row 1 diverged and lost, so it goes;
+    row 3 diverged and won, so it keeps every token but the divergent one."""
+    c = sparse_rl_corrections(XI.log(), torch.zeros_like(XI), MASK, CorrectionConfig(), ADV)
+    assert c.keep_seq.tolist() == [True, False, True, True]
+    assert c.metrics["rejection_rate"] == 0.25 and c.metrics["divergent_rate"] == 0.5
+    assert torch.equal(c.keep_token, _kept("veto_negative"))

@@ -132,6 +132,20 @@ def test_evidence_is_split_by_sampling_version() -> None:
     assert sorted(cells, key=lambda c: c.version) == [Evidence(4, None, 16, 0.05), Evidence(5, 40, 8, 0.1)]
 
 
+def test_the_divergent_share_can_be_the_signal() -> None:
+    """divergent_rate: the share of sequences with a divergent token, which a rule that vetoes only some
+    of them (veto_negative, the authors' token rule) does not show in its veto rate."""
+    assert KVControlSettings(metric="divergent_rate").metric == "divergent_rate"
+    traj = Trajectory(group_id="g", attempt=1, policy_version=3, worker_id="w", task="addition", prompt="p",
+                      samples=[], sampling=SamplingInfo(temperature=1.0, kv_policy="rkv", kv_budget=32))
+    metrics = {"by_staleness": {"0": {"rejection_rate": 0.03, "divergent_rate": 0.35, "sequences": 64}}}
+    evidence = evidence_from_step([traj], metrics, version=3, metric="divergent_rate")
+    assert evidence == [Evidence(3, 32, 64, 0.35)]
+    # 35 % divergent is over a 20 % target (3 % vetoed would have been under it): the budget rises.
+    control = _controller(metric="divergent_rate", target=0.2)
+    assert control.update(evidence, next_version=4)["kv_budget"] == 40
+
+
 def test_settings_validate_and_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValidationError):
         KVControlSettings(min_budget=64, max_budget=32)

@@ -37,9 +37,11 @@ def _trajectories(vocab: int, groups: int = 3, samples: int = 4, seed: int = 0) 
 
 
 def _settings(model_dir: str, tmp_path: Path, lr: float = 1e-3, **overrides) -> TrainerSettings:
-    return TrainerSettings(
-        model=model_dir, data_dir=str(tmp_path), optim=OptimSettings(lr=lr), **({"device": "cpu"} | overrides)
-    )
+    # These samples' log-probs are random, so most sequences have a divergent token; the tests here are
+    # about the step's mechanics, under the authors' token rule (the rules: test_divergence_rules.py).
+    loss = {"corrections": {"divergence_rule": "token"}} | overrides.pop("loss", {})
+    return TrainerSettings(model=model_dir, data_dir=str(tmp_path), optim=OptimSettings(lr=lr), loss=loss,
+                           **({"device": "cpu"} | overrides))
 
 
 def _trainer(model_dir: str, tmp_path: Path, **overrides) -> Trainer:
@@ -164,7 +166,8 @@ def test_correction_metrics_split_by_staleness(tiny_model_dir: str, tmp_path: Pa
     assert metrics["staleness"] == {"0": 1, "2": 2}
     split = metrics["by_staleness"]
     assert split["0"]["sequences"] == 4 and split["2"]["sequences"] == 8
-    assert set(split["0"]) == {"xi_mean", "kl_old_sampler", "rejection_rate", "token_mask_rate", "sequences"}
+    assert set(split["0"]) == {"xi_mean", "kl_old_sampler", "rejection_rate", "divergent_rate",
+                               "token_mask_rate", "sequences"}
 
 
 def test_the_patch_encoding_is_a_setting(tiny_model_dir: str, tmp_path: Path) -> None:

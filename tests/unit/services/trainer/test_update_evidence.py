@@ -114,7 +114,9 @@ def test_few_survivors_move_the_weights_less_than_a_full_batch(tiny_model_dir: s
 
 
 def test_a_minimum_of_surviving_sequences(tiny_model_dir: str, tmp_path: Path) -> None:
-    learner = _learner(tiny_model_dir, tmp_path, min_surviving_sequences=3)
+    # The authors' token rule: the non-survivors are masked token by token, none vetoed.
+    learner = _learner(tiny_model_dir, tmp_path, min_surviving_sequences=3,
+                       corrections={"divergence_rule": "token"})
     before = _weights(learner)
     metrics = learner.train_step(_with_sampler_logprobs(learner, _batch(vocab=90), {0, 5}))
     assert metrics["updates"] == 0 and metrics["rejection_rate"] == 0.0
