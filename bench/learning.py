@@ -77,16 +77,16 @@ RESULTS = Path(__file__).resolve().parent / "results"
 EVAL_SEED = 990_001  # held-out prompts: one fixed set for every arm, seed and evaluation
 TRAIN_SEED_STRIDE = 1_000_003  # prompts of step t for seed s: seed s * stride + t
 
-OFF = CorrectionConfig(sequence_veto=False, token_mask=False, token_weight=False, divergence_rule="token")
 # The authors' rule (Sparse-RL's mis.py: a divergent token is masked, its sequence kept), which the
 # arms below were measured with before the trainer's default became veto_negative.
 AUTHORS = CorrectionConfig(divergence_rule="token")
+OFF = AUTHORS.model_copy(update={"sequence_veto": False, "token_mask": False, "token_weight": False})
 ARMS: dict[str, tuple[str, LossConfig]] = {  # name -> (rollout KV policy, loss without kl_coef)
     "dense": ("dense", LossConfig()),
     "naive": ("rkv", LossConfig(corrections=OFF, scale_lr_by_survivors=False)),
     "sparse_rl": ("rkv", LossConfig(corrections=AUTHORS)),
-    "tis": ("rkv", LossConfig(corrections=CorrectionConfig(sequence_veto=False, token_mask=False,
-                                                           divergence_rule="token"))),
+    "tis": ("rkv", LossConfig(corrections=AUTHORS.model_copy(update={"sequence_veto": False,
+                                                                      "token_mask": False}))),
     # The divergence rules (docs/training.md, "Rejection rules") and the authors' rule with the
     # step size left to Adam (no lr scaling by the surviving share): what chose the defaults.
     "veto": ("rkv", LossConfig(corrections=CorrectionConfig(divergence_rule="veto"))),
