@@ -13,6 +13,7 @@ Arms (Sparse-RL, arXiv 2601.10079):
              calibrated one; each step row records `rollout_kv_budget` and the controller's report
   adaptive_replayed  (optional) `replayed` with the same controller; its signal is measured against
              a dense recompute (`dense_mismatch`), since the replayed recompute matches the sampler
+  adaptive_veto_negative  (optional) veto_negative with the same controller
 
 Every arm runs synchronously (staleness 0) in a process of its own, with the services' code: our
 engine (`LLMEngine`) samples a batch, `services.rollout.worker.score_samples` scores it, the
@@ -106,7 +107,11 @@ ARMS[ADAPTIVE] = ARMS["sparse_rl"]
 # same batch (what the adaptive arm's signal is), `dense_mismatch` below.
 ADAPTIVE_REPLAYED = "adaptive_replayed"
 ARMS[ADAPTIVE_REPLAYED] = ARMS["replayed"]
-CONTROLLED = (ADAPTIVE, ADAPTIVE_REPLAYED)
+# The controller with the trainer's default rule (veto_negative), whose veto rate counts only the
+# divergent losers: hold `kv_control.metric = "divergent_rate"` with it (docs/training.md).
+ADAPTIVE_VETO_NEGATIVE = "adaptive_veto_negative"
+ARMS[ADAPTIVE_VETO_NEGATIVE] = ARMS["veto_negative"]
+CONTROLLED = (ADAPTIVE, ADAPTIVE_REPLAYED, ADAPTIVE_VETO_NEGATIVE)
 # Fixed before the runs (issue 12). Accuracy = held-out T = 1 accuracy under dense inference,
 # mean over seeds; "sparse" = under R-KV at the training budget.
 CRITERIA = {

@@ -48,6 +48,14 @@ def test_the_adaptive_replayed_arm_steers_by_the_dense_mismatch(tiny_model_dir: 
     assert all(0.0 <= r["dense_rejection_rate"] <= 1.0 for r in steps)
 
 
+def test_the_adaptive_veto_negative_arm_runs_the_default_rule_under_the_controller(
+        tiny_model_dir: str, tmp_path: Path) -> None:
+    assert ARMS["adaptive_veto_negative"] == ARMS["veto_negative"]
+    assert ARMS["veto_negative"][1].corrections.divergence_rule == "veto_negative"
+    steps = _steps_of("adaptive_veto_negative", tiny_model_dir, tmp_path)
+    assert [r["rollout_kv_budget"] for r in steps] == [8, 16, 20]
+
+
 def test_a_run_stopped_at_the_deadline_is_summarised_from_what_it_logged() -> None:
     def evals(*accs: float) -> list[dict]:
         modes = ("dense_t1", "sparse_t1")
