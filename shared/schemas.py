@@ -68,6 +68,11 @@ class Sample(BaseModel):
     correct: bool
     finish_reason: str
     kv: KVStats = Field(default_factory=KVStats)
+    # What the sampler's compressed cache hid from each query: per layer, KV head and position of
+    # prompt + completion, the first query that no longer saw it (-1: never). Sent by a worker that
+    # records it (SPARSECAST_RECORD_EVICTIONS) for a trainer that replays eviction, which then needs
+    # no replay of its own (services/rollout/engine/eviction_log.py); None otherwise.
+    evicted_at: list[int] | None = None
 
     @model_validator(mode="after")
     def _logprobs_match_tokens(self) -> Sample:

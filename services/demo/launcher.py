@@ -307,6 +307,8 @@ class Stack:
                 "SPARSECAST_KV__BUDGET": str(self.o.kv_budget),
                 "SPARSECAST_KV__BUFFER": str(self.kv_buffer),
                 "SPARSECAST_KV__KEEP_PROMPT": str(self.o.kv_keep_prompt).lower(),
+                # The trainer's eviction replay reads the workers' records instead of rerunning them.
+                "SPARSECAST_RECORD_EVICTIONS": str(self.o.recompute == "replayed").lower(),
                 "SPARSECAST_SYNC__POLL_S": "0.5",
                 "OMP_NUM_THREADS": "1",
             }

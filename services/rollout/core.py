@@ -47,12 +47,15 @@ class Engine(Protocol):
 def load_engine(settings: RolloutSettings, model_dir: Path) -> Engine:
     dtype = DTYPES[settings.dtype]
     if settings.engine == "vllm":
+        if settings.record_evictions:
+            raise ValueError("record_evictions needs the native engine (vLLM does not report its eviction)")
         from services.rollout.vllm.engine import VLLMEngine
 
         return VLLMEngine.from_pretrained(model_dir, device=settings.resolved_device(), dtype=dtype)
     from services.rollout.engine import LLMEngine
 
     engine = LLMEngine.from_pretrained(model_dir, device=settings.resolved_device(), dtype=dtype)
+    engine.record_evictions = settings.record_evictions
     if engine.dtype != dtype:
         log.info("generation computes in %s: this CPU has no native %s products", engine.dtype, dtype)
     return engine

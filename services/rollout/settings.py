@@ -57,6 +57,10 @@ class RolloutSettings(ModelServiceSettings):
     # The worker's KV cache (policy, budget, ...); /v1/generate requests and the budget the trainer
     # publishes with the weights override single fields of it (native engine; RolloutCore.kv_config).
     kv: KVSettings = Field(default_factory=KVSettings)
+    # Ship with each sample what its compressed cache hid from each query (Sample.evicted_at), so a
+    # trainer with LossConfig.recompute = "replayed" skips its own replay (native engine only; off:
+    # the trainer replays). layers × KV heads × tokens integers a sample: for small models.
+    record_evictions: bool = False
 
     # Request limits: a request asks for at most max_batch sequences (prompts × n).
     max_batch: int = Field(default=64, ge=1)

@@ -286,5 +286,6 @@ def score_samples(task: Task, answer: str, prompt_ids: list[int], outputs: Seque
             completion=text, prompt_ids=prompt_ids, completion_ids=list(out.token_ids),
             logprobs=list(out.logprobs), reward=reward, correct=correct,
             finish_reason=out.finish_reason, kv=KVStats.model_validate(out.kv, from_attributes=True),
+            evicted_at=out.evicted_at,
         ))
     return samples

@@ -154,6 +154,7 @@ class Learner:
             precision = torch.bfloat16 if self.bf16 else torch.float32
             self.evict = EvictionMasks(model.config, self.device, precision)
         self._sampled_weights: dict[int, dict[str, torch.Tensor]] = {}  # bf16 weights by version
+        self.replayed_samples = 0  # samples the engine replayed (the rest came with their worker's record)
         self.model, self.ref_model = self._prepare(model, frozen)
         optim = config.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr,
@@ -302,25 +303,45 @@ class Learner:
         self._sampled_weights[version] = published_state(self.model)
         for old in sorted(self._sampled_weights)[:-REPLAY_VERSIONS]:
             del self._sampled_weights[old]
+        config = cast(PreTrainedModel, self.model).config
+        layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
         by_config: dict[tuple[str, int], list[tuple[int, Sample]]] = {}
+        seen: dict[int, torch.Tensor] = {}
         row = 0
         for t in trajectories:
             kv = t.sampling.kv_config if t.sampling is not None else None
             weights = t.policy_version if t.policy_version in self._sampled_weights else version
             for sample in t.samples:
-                if kv is not None:
+                recorded = self._recorded_visibility(sample, layers, kv_heads) if kv is not None else None
+                if recorded is not None:  # the worker's own record: exact, and no replay to run
+                    seen[row] = recorded
+                elif kv is not None:
                     by_config.setdefault((json.dumps(kv, sort_keys=True), weights), []).append((row, sample))
                 row += 1
-        seen: dict[int, torch.Tensor] = {}
         for (key, weights), rows in by_config.items():
             cache = KVConfig.model_validate(json.loads(key))
             visible = self.evict(self._sampled_weights[weights], [x.prompt_ids for _, x in rows],
                                  [x.completion_ids for _, x in rows], cache)
             seen.update({r: v.cpu() for (r, _), v in zip(rows, visible, strict=True)})
+        self.replayed_samples += sum(len(rows) for rows in by_config.values())
         if not seen:
             return None
-        config = cast(PreTrainedModel, self.model).config
-        return batch_masks(batch.attention_mask, config.num_hidden_layers, config.num_key_value_heads, seen)
+        return batch_masks(batch.attention_mask, layers, kv_heads, seen)
+
+    @staticmethod
+    def _recorded_visibility(sample: Sample, layers: int, kv_heads: int) -> torch.Tensor | None:
+        """The sample's visibility from the evictions its worker recorded (Sample.evicted_at), or None
+        (not recorded, or a record that does not fit this model: then the engine replays it)."""
+        from services.rollout.engine.eviction_log import visibility
+
+        if sample.evicted_at is None:
+            return None
+        try:
+            return visibility(sample.evicted_at, layers, kv_heads,
+                              len(sample.prompt_ids) + len(sample.completion_ids))
+        except ValueError as exc:
+            log.warning("replaying a sample whose recorded eviction does not fit: %s", exc)
+            return None
 
     def _micro_batches(self, minibatch: torch.Tensor) -> list[torch.Tensor]:
         """This process's micro-batches of a minibatch (an empty one: run _idle_pass)."""

@@ -115,6 +115,9 @@ class GenerationOutput:
     logprobs: list[float]
     finish_reason: FinishReason
     kv: KVStats
+    # Per layer, KV head and position of prompt + completion, the first query that no longer saw it
+    # (-1: never evicted); only from an engine with record_evictions on (engine/eviction_log.py).
+    evicted_at: list[int] | None = None
 
 
 def check_token_ids(prompts: list[list[int]], params: SamplingParams, vocab_size: int) -> None:

@@ -31,6 +31,7 @@ import services.rollout.engine.kernels as kernels
 from services.rollout.engine.attention import CacheAttention
 from services.rollout.engine.config import GenerationOutput, KVConfig, SamplingParams, check_token_ids
 from services.rollout.engine.cuda_graphs import DecodeGraphs
+from services.rollout.engine.eviction_log import EvictionLog
 from services.rollout.engine.fused_decode import fuse_projections
 from services.rollout.engine.kv_cache import KVCache, StaticStorage, layer_capacities
 from services.rollout.engine.policies import POLICIES
@@ -84,6 +85,9 @@ class LLMEngine:
         self._decode: tuple[StaticStorage, DecodeGraphs] | None = None
         self._decode_weights: tuple[int, ...] = ()
         self.graph_captures = 0
+        # Record what the compressed cache hid from each query (GenerationOutput.evicted_at), for a
+        # trainer that replays the eviction (engine/eviction_log.py); off: no cost.
+        self.record_evictions = False
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu",
@@ -190,8 +194,12 @@ class LLMEngine:
         logits = model.logits(hidden[torch.arange(batch, device=dev), lengths_t - 1])
         for s in seqs:
             s.observe(s.prompt_len)
+        evictions = (EvictionLog(batch, model.num_layers, model.num_kv_heads, width + max_new, dev)
+                     if self.record_evictions and kv.policy != "dense" else None)
         if cache.needs_compression():  # only without keep_prompt: a long prompt is cut at once
             self._compress(cache, seqs)
+            if evictions is not None:
+                evictions.mark(cache, torch.arange(batch, device=dev), lengths_t)
 
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         gen = torch.Generator(device=dev).manual_seed(seed)
@@ -238,6 +246,8 @@ class LLMEngine:
                 for s, evicted in zip(rows, cache.compress(), strict=True):
                     if not s.finished:
                         s.record(step, 0, evicted)
+                if evictions is not None:  # the token of `step` was the last one written
+                    evictions.mark(cache, rows_t, lengths_t.index_select(0, rows_t) + step + 1)
             if graphs is None:
                 logits = model.logits(hidden[:, 0])
 
@@ -245,7 +255,11 @@ class LLMEngine:
             self.graph_captures += graphs.captures - captures
         token_lists, logprob_lists = out_tokens.tolist(), out_logprobs.tolist()
         per_token = cache.bytes_per_token
-        return [s.to_output(token_lists[s.index], logprob_lists[s.index], per_token) for s in seqs]
+        outputs = [s.to_output(token_lists[s.index], logprob_lists[s.index], per_token) for s in seqs]
+        if evictions is not None:
+            for s, out in zip(seqs, outputs, strict=True):
+                out.evicted_at = evictions.of(s.index, s.prompt_len + len(out.token_ids))
+        return outputs
 
     @staticmethod
     def _settle_finishes(seqs: list[Sequence], out_tokens: torch.Tensor, stop_ids: torch.Tensor,

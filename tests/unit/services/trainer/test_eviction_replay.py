@@ -34,9 +34,11 @@ def sharp_model_dir(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactor
     return str(out)
 
 
-def _trajectories(model_dir: str, kv: KVConfig) -> list[Trajectory]:
+def _trajectories(model_dir: str, kv: KVConfig, record: bool = False,
+                  weights: torch.dtype = torch.float32) -> list[Trajectory]:
     # fp32 sampler and learner: what remains of the mismatch is the KV cache's, not bf16 rounding.
-    engine = LLMEngine(load_pretrained(model_dir), compute_dtype=torch.float32)
+    engine = LLMEngine(load_pretrained(model_dir, dtype=weights), compute_dtype=torch.float32)
+    engine.record_evictions = record  # what a worker with SPARSECAST_RECORD_EVICTIONS ships
     task = get_task("addition")
     prompts = [[1, 10, 11, 12, 13, 14, 15], [1, 20, 21, 22, 23], [1, 30, 31, 32, 33, 34, 35, 36]]
     out = []
@@ -107,3 +109,36 @@ def test_stale_samples_replay_under_the_weights_that_drew_them(sharp_model_dir: 
     for row in range(len(prompts)):
         n = int(real[row].sum())
         assert torch.equal(masks[row, :, :, :n, :n], under_v0[row, :, :, :n, :n])
+
+
+def test_recorded_evictions_stand_in_for_the_replay(sharp_model_dir: str, tmp_path: Path) -> None:
+    """A worker's recorded eviction gives the masks the replay would, without running it; a record
+    that does not fit the model is replayed instead."""
+    kv = KVConfig(policy="rkv", budget=6, buffer=2, window=2, keep_prompt=False)
+    # bf16 weights computed in fp32: what the trainer's replay runs (it rounds the weights to bf16).
+    recorded = _trajectories(sharp_model_dir, kv, record=True, weights=torch.bfloat16)
+    assert all(s.evicted_at is not None for t in recorded for s in t.samples)
+    plain = [t.model_copy(update={"samples": [s.model_copy(update={"evicted_at": None}) for s in t.samples]})
+             for t in recorded]
+    batch = collate(recorded, pad_id=0)
+    replaying = _learner(sharp_model_dir, tmp_path / "replay", "replayed")
+    replayed = replaying._replayed_masks(plain, batch, version=0)
+    assert replaying.replayed_samples == 12
+    learner = _learner(sharp_model_dir, tmp_path / "recorded", "replayed")
+    from_record = learner._replayed_masks(recorded, batch, version=0)
+    assert learner.replayed_samples == 0
+    assert replayed is not None and from_record is not None
+
+    def same_over_real_tokens(masks: torch.Tensor) -> bool:  # padding positions are no one's tokens
+        lengths = batch.attention_mask.sum(dim=1).tolist()
+        return all(torch.equal(masks[r, ..., :n, :n], replayed[r, ..., :n, :n])
+                   for r, n in enumerate(lengths))
+
+    assert same_over_real_tokens(from_record)
+    first = recorded[0].samples[0]
+    assert first.evicted_at is not None
+    broken = [recorded[0].model_copy(update={"samples": [first.model_copy(
+        update={"evicted_at": first.evicted_at[:-1]})] + recorded[0].samples[1:]})] + recorded[1:]
+    masks = learner._replayed_masks(broken, batch, version=0)
+    assert masks is not None and same_over_real_tokens(masks)
+    assert learner.replayed_samples == 1
