@@ -312,11 +312,13 @@ class Learner:
             kv = t.sampling.kv_config if t.sampling is not None else None
             weights = t.policy_version if t.policy_version in self._sampled_weights else version
             for sample in t.samples:
-                recorded = self._recorded_visibility(sample, layers, kv_heads) if kv is not None else None
-                if recorded is not None:  # the worker's own record: exact, and no replay to run
-                    seen[row] = recorded
-                elif kv is not None:
-                    by_config.setdefault((json.dumps(kv, sort_keys=True), weights), []).append((row, sample))
+                if kv is not None:
+                    recorded = self._recorded_visibility(sample, layers, kv_heads)
+                    if recorded is not None:  # the worker's own record: exact, and no replay to run
+                        seen[row] = recorded
+                    else:
+                        replay_group = (json.dumps(kv, sort_keys=True), weights)
+                        by_config.setdefault(replay_group, []).append((row, sample))
                 row += 1
         for (key, weights), rows in by_config.items():
             cache = KVConfig.model_validate(json.loads(key))

@@ -39,14 +39,8 @@ class EvictionLog:
         written = slots[None, None] < next_query[:, None, None]  # [rows, 1, total]
         since = next_query.to(torch.int32)[:, None, None]
         for layer in range(self.evicted_at.shape[1]):
-            stored = cache.layer_lengths(layer)
-            span = max(stored)
-            kept = cache.positions[layer, :, :, :span].long()  # [rows, Hkv, span]
-            ok = torch.arange(span, device=dev)[None, None] < torch.tensor(stored, device=dev)[:, None, None]
-            present = torch.zeros((kept.shape[0], kept.shape[1], total + 1), dtype=torch.bool, device=dev)
-            present.scatter_(2, torch.where(ok, kept.clamp(max=total - 1), total), True)
             before = self.evicted_at[sequences, layer]
-            newly = written & ~present[:, :, :total] & (before == NEVER)
+            newly = written & ~cache.stored_mask(layer, total) & (before == NEVER)
             self.evicted_at[sequences, layer] = torch.where(newly, since, before)
 
     def of(self, sequence: int, length: int) -> list[int]:

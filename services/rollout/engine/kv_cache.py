@@ -204,6 +204,18 @@ class KVCache:
         deficits = self.deficits[layer]
         return [n - d for n, d in zip(self.lengths, deficits, strict=True)] if any(deficits) else self.lengths
 
+    def stored_mask(self, layer: int, total: int) -> torch.Tensor:
+        """bool [rows, Hkv, total]: the positions below `total` each row's KV heads store in `layer`
+        (what a query decoded now sees there; the eviction replay and the eviction log read it)."""
+        stored = self.layer_lengths(layer)
+        span = max(stored)
+        kept = self.positions[layer, :, :, :span].long()  # [rows, Hkv, span]
+        ok = (torch.arange(span, device=self.device)[None, None]
+              < torch.tensor(stored, device=self.device)[:, None, None])
+        mask = torch.zeros((kept.shape[0], kept.shape[1], total + 1), dtype=torch.bool, device=self.device)
+        mask.scatter_(2, torch.where(ok, kept.clamp(max=total - 1), total), True)
+        return mask[:, :, :total]
+
     def stored(self) -> list[int]:
         """Tokens each row stores, per layer and KV head: the mean over the layers, rounded."""
         if not any(self._stored_deficit):

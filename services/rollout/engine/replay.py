@@ -68,15 +68,9 @@ def visible_positions(engine: LLMEngine, prompts: list[list[int]], completions: 
         model(forced[:, step:step + 1], positions[:, None], attention.decode)
         attention.end_decode()
         query = positions.clamp(max=total - 1)
+        row_ok = (positions < total)[:, None, None]
         for layer in range(model.num_layers):
-            stored = cache.layer_lengths(layer)
-            span = max(stored)
-            kept = cache.positions[layer, :, :, :span].long()  # [B, Hkv, span]
-            ok = torch.arange(span, device=dev)[None, None] < torch.tensor(stored, device=dev)[:, None, None]
-            seen = torch.zeros((batch, model.num_kv_heads, total + 1), dtype=torch.bool, device=dev)
-            seen.scatter_(2, torch.where(ok, kept.clamp(max=total - 1), total), True)
-            row_ok = (positions < total)[:, None, None]
-            visible[rows, layer, :, query] = torch.where(row_ok, seen[:, :, :total],
+            visible[rows, layer, :, query] = torch.where(row_ok, cache.stored_mask(layer, total),
                                                          visible[rows, layer, :, query])
         if cache.needs_compression():
             cache.compress()

@@ -34,10 +34,9 @@ def sharp_model_dir(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactor
     return str(out)
 
 
-def _trajectories(model_dir: str, kv: KVConfig, record: bool = False,
-                  weights: torch.dtype = torch.float32) -> list[Trajectory]:
+def _trajectories(model_dir: str, kv: KVConfig, record: bool = False) -> list[Trajectory]:
     # fp32 sampler and learner: what remains of the mismatch is the KV cache's, not bf16 rounding.
-    engine = LLMEngine(load_pretrained(model_dir, dtype=weights), compute_dtype=torch.float32)
+    engine = LLMEngine(load_pretrained(model_dir), compute_dtype=torch.float32)
     engine.record_evictions = record  # what a worker with SPARSECAST_RECORD_EVICTIONS ships
     task = get_task("addition")
     prompts = [[1, 10, 11, 12, 13, 14, 15], [1, 20, 21, 22, 23], [1, 30, 31, 32, 33, 34, 35, 36]]
@@ -115,8 +114,7 @@ def test_recorded_evictions_stand_in_for_the_replay(sharp_model_dir: str, tmp_pa
     """A worker's recorded eviction gives the masks the replay would, without running it; a record
     that does not fit the model is replayed instead."""
     kv = KVConfig(policy="rkv", budget=6, buffer=2, window=2, keep_prompt=False)
-    # bf16 weights computed in fp32: what the trainer's replay runs (it rounds the weights to bf16).
-    recorded = _trajectories(sharp_model_dir, kv, record=True, weights=torch.bfloat16)
+    recorded = _trajectories(sharp_model_dir, kv, record=True)
     assert all(s.evicted_at is not None for t in recorded for s in t.samples)
     plain = [t.model_copy(update={"samples": [s.model_copy(update={"evicted_at": None}) for s in t.samples]})
              for t in recorded]
