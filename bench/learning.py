@@ -12,7 +12,8 @@ Arms (Sparse-RL, arXiv 2601.10079):
              kv_budget, settings `kv_control`) moving the rollout budget between steps from the
              calibrated one; each step row records `rollout_kv_budget` and the controller's report
   adaptive_replayed  (optional) `replayed` with the same controller; its signal is measured against
-             a dense recompute (`dense_mismatch`), since the replayed recompute matches the sampler
+             a dense recompute (`dense_<metric>`, LearnerConfig.dense_mismatch), since the replayed
+             recompute matches the sampler
   adaptive_veto_negative  (optional) veto_negative with the same controller
 
 Every arm runs synchronously (staleness 0) in a process of its own, with the services' code: our
@@ -57,16 +58,14 @@ from services.rollout.calibration import calibrate
 from services.rollout.engine import KVConfig, LLMEngine
 from services.rollout.engine.evaluation import evaluate, generate
 from services.rollout.worker import sampling_info, score_samples
-from services.trainer.batching import collate
 from services.trainer.kv_budget import (
-    Evidence,
     KVBudgetController,
     KVControlSettings,
-    Metric,
     evidence_from_step,
+    signal_key,
 )
 from services.trainer.learner import Learner, LearnerConfig
-from services.trainer.loss import CorrectionConfig, LossConfig, grpo_advantages, sparse_rl_corrections
+from services.trainer.loss import CorrectionConfig, LossConfig
 from services.trainer.optim import OptimSettings
 from services.trainer.settings import TrainerSettings
 from services.trainer.warmstart import WarmstartRecipe, ensure_warmstart_model
@@ -104,11 +103,11 @@ ARMS[ADAPTIVE] = ARMS["sparse_rl"]
 # The controller with eviction replay (issue 26). Under replay the trainer's old log-probs are computed
 # under the sampler's own eviction, so its veto rate and KL(old||sampler) are ~0 at any budget and say
 # nothing about the budget: this arm feeds the controller the mismatch against a dense recompute of the
-# same batch (what the adaptive arm's signal is), `dense_mismatch` below.
+# same batch (what the adaptive arm's signal is): the learner's `dense_<metric>` figures.
 ADAPTIVE_REPLAYED = "adaptive_replayed"
 ARMS[ADAPTIVE_REPLAYED] = ARMS["replayed"]
 # The controller with the trainer's default rule (veto_negative), whose veto rate counts only the
-# divergent losers: hold `kv_control.metric = "divergent_rate"` with it (docs/training.md).
+# divergent losers: the controller holds the divergent share with it (the default metric).
 ADAPTIVE_VETO_NEGATIVE = "adaptive_veto_negative"
 ARMS[ADAPTIVE_VETO_NEGATIVE] = ARMS["veto_negative"]
 CONTROLLED = (ADAPTIVE, ADAPTIVE_REPLAYED, ADAPTIVE_VETO_NEGATIVE)
@@ -223,35 +222,23 @@ def rollout(engine: LLMEngine, tokenizer: PreTrainedTokenizerBase, task: Task, p
     ]
 
 
-def dense_mismatch(learner: Learner, trajectories: list[Trajectory], version: int, budget: int | None,
-                   metric: Metric) -> tuple[list[Evidence], dict[str, float]]:
-    """The controller's evidence for a replayed arm: the step's batch scored by the weights that sampled
-    it under a dense recompute (no replayed masks), with sparse_rl's corrections (the authors' rule):
-    the veto rate / KL(old_dense||sampler) the adaptive arm holds. One extra no-grad forward."""
-    batch = collate(trajectories, learner.pad_id).to(learner.device)
-    with torch.no_grad():
-        logp_dense = learner._logprobs_all(learner.model, batch)
-    corrections = sparse_rl_corrections(logp_dense, batch.logp_sampler, batch.completion_mask,
-                                        ARMS["sparse_rl"][1].corrections,
-                                        grpo_advantages(batch.rewards, batch.group_index))
-    figures = {f"dense_{k}": float(corrections.metrics[k])
-               for k in ("rejection_rate", "divergent_rate", "kl_old_sampler")}
-    return [Evidence(version=version, budget=budget, sequences=batch.sequences,
-                     value=figures[f"dense_{metric}"])], figures
-
-
 # -- one arm, in its own process --
 
 
 def run_arm(cfg: LearningConfig, arm: str, seed: int, model_dir: Path, budget: int, out: Path) -> None:
     torch.set_num_threads(cfg.threads)
     policy, loss = ARMS[arm]
+    kv_control = KVControlSettings()  # fixed: the arm's budget stays as given
+    if arm in CONTROLLED:
+        kv_control = KVControlSettings.model_validate(cfg.kv_control.model_dump() | {
+            "mode": "adaptive", "start_budget": cfg.kv_control.start_budget or budget})
     settings = TrainerSettings(
         model=str(model_dir), device=cfg.device, seed=seed,
         optim=OptimSettings(lr=cfg.lr, weight_decay=cfg.weight_decay),
         ppo_updates=cfg.ppo_updates, micro_batch=cfg.micro_batch,
         sampling=SamplingSettings(temperature=cfg.temperature),
         loss=loss.model_copy(update={"kl_coef": cfg.kl_coef}),
+        kv_control=kv_control,
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     learner = Learner(LearnerConfig.of(settings), model_dir, tokenizer.pad_token_id)
@@ -261,11 +248,7 @@ def run_arm(cfg: LearningConfig, arm: str, seed: int, model_dir: Path, budget: i
     modes = eval_modes(budget, cfg)
     train_kv = KVConfig(policy="dense") if policy == "dense" else modes["sparse"]
     held_out = task.make_prompts(cfg.eval_prompts, seed=EVAL_SEED)
-    controller = None
-    if arm in CONTROLLED:
-        start = cfg.kv_control.start_budget or budget
-        controller = KVBudgetController(KVControlSettings.model_validate(
-            cfg.kv_control.model_dump() | {"mode": "adaptive", "start_budget": start}))
+    controller = KVBudgetController(kv_control) if arm in CONTROLLED else None
     started = time.perf_counter()
     with out.open("w") as f:
         def emit(row: dict[str, Any]) -> None:
@@ -298,18 +281,13 @@ def run_arm(cfg: LearningConfig, arm: str, seed: int, model_dir: Path, budget: i
                 engine, tokenizer, task, pairs, cfg, train_kv, seed * TRAIN_SEED_STRIDE + step, step
             )
             t_gen = time.perf_counter() - t0
-            dense_cells: list[Evidence] = []
-            figures: dict[str, float] = {}
-            if controller is not None and arm == ADAPTIVE_REPLAYED:  # before the update: the sampling weights
-                dense_cells, figures = dense_mismatch(learner, trajectories, step, train_kv.sparse_budget,
-                                                      controller.settings.metric)
-            metrics = learner.train_step(trajectories, version=step) | figures
+            metrics = learner.train_step(trajectories, version=step)
             sync_weights(learner, engine)
             control: dict[str, Any] = {
                 "rollout_kv_budget": train_kv.sparse_budget}
             if controller is not None:  # the next step's budget, as a published version carries it
-                metric = controller.settings.metric
-                cells = dense_cells or evidence_from_step(trajectories, metrics, step, metric)
+                key = signal_key(kv_control.metric, loss.recompute == "replayed")
+                cells = evidence_from_step(trajectories, metrics, step, key)
                 control |= controller.update(cells, next_version=step + 1)
                 train_kv = train_kv.model_copy(update={"budget": control["kv_budget"]})
             emit({"type": "step", **metrics, **control, "generate_seconds": t_gen,

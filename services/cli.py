@@ -358,10 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "(e.g. 0.7; default off)")
     demo.add_argument("--kv-adaptive", action="store_true", default=None,
                       help="let the trainer move the workers' KV budget between versions to hold the "
-                           "veto rate at --kv-target, from --kv-budget within [--kv-min, --kv-max] "
+                           "mismatch at --kv-target, from --kv-budget within [--kv-min, --kv-max] "
                            "(docs/training.md, \"Adaptive KV budget\"; default off)")
     demo.add_argument("--kv-target", type=_share, metavar="RATE",
-                      help=f"veto rate the adaptive budget holds (default {kv_defaults.target})")
+                      help=f"share of sequences with a divergent token the adaptive budget holds "
+                           f"(kv_control.metric {kv_defaults.metric}; default {kv_defaults.target})")
     demo.add_argument("--kv-min", type=_positive, metavar="N",
                       help=f"smallest adaptive KV budget (default {kv_defaults.min_budget})")
     demo.add_argument("--kv-max", type=_positive, metavar="N",

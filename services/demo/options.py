@@ -41,7 +41,8 @@ class DemoOptions:
     # too much to learn from (docs/training.md, "On another machine: the warm start decides").
     kv_calibrate: float | None = None
     # The trainer's adaptive KV budget (services.trainer.kv_budget; off by default): from kv_budget,
-    # moved within [kv_min, kv_max] between versions to hold the veto rate at kv_target; the workers
+    # moved within [kv_min, kv_max] between versions to hold its mismatch metric (the share of
+    # sequences with a divergent token, against a dense recompute) at kv_target; the workers
     # follow at their next weight swap. None: the trainer's defaults (docs/training.md).
     kv_adaptive: bool = False
     kv_target: float | None = None

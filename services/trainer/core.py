@@ -38,7 +38,7 @@ from transformers import AutoTokenizer
 
 from services.trainer.admission import refusal
 from services.trainer.distributed import make_learner
-from services.trainer.kv_budget import KVBudgetController, evidence_from_step
+from services.trainer.kv_budget import KVBudgetController, evidence_from_step, signal_key
 from services.trainer.learner import Captured, LearnerConfig
 from services.trainer.ledger import GroupLedger, disk_full, fsync_dir, fsync_tree
 from services.trainer.model_dir import resolve_model_dir
@@ -385,7 +385,8 @@ class Trainer:
         metrics = self.learner.train_step(trajectories, version=self.version)
         metrics["refused_trajectories"], self._refused_this_step = self._refused_this_step, 0
         # The budget published with the version this step makes, from evidence at the budget in force.
-        evidence = evidence_from_step(trajectories, metrics, self.version, self.settings.kv_control.metric)
+        key = signal_key(self.settings.kv_control.metric, self.settings.loss.recompute == "replayed")
+        evidence = evidence_from_step(trajectories, metrics, self.version, key)
         metrics |= self.kv_control.update(evidence, next_version=self.version + 1)
         if self.settings.eval_every and self.step % self.settings.eval_every == 0:
             metrics |= self.evaluate()

@@ -56,7 +56,9 @@ class KVControlSettings(BaseModel):
     """TrainerSettings.kv_control (env SPARSECAST_KV_CONTROL__MODE=adaptive, __TARGET=0.3, ...)."""
 
     mode: Literal["fixed", "adaptive"] = "fixed"
-    metric: Metric = "rejection_rate"
+    # The default divergence rule (veto_negative) vetoes only the divergent losers, so its veto rate
+    # shows part of the mismatch: the divergent share is the signal (docs/training.md, "Which signal").
+    metric: Metric = "divergent_rate"
     # In the metric's units: a share of sequences for rejection_rate and divergent_rate, nats per
     # token for kl_old_sampler.
     target: float = Field(default=0.3, gt=0)
@@ -92,10 +94,18 @@ class Evidence:
     value: float
 
 
+def signal_key(metric: Metric, replayed: bool) -> str:
+    """The step metric that carries `metric`: under eviction replay the trainer's own figures match
+    the sampler by construction, so the controller reads them against a dense recompute
+    (`dense_<metric>`, which the learner adds then: LearnerConfig.dense_mismatch)."""
+    return f"dense_{metric}" if replayed else metric
+
+
 def evidence_from_step(trajectories: Sequence[Trajectory], metrics: Mapping[str, Any], version: int,
-                       metric: Metric) -> list[Evidence]:
-    """Split a learner step's `metric` by sampling version (`by_staleness`, staleness = version −
-    policy_version), each with the budget its trajectories were sampled at (None if they differ)."""
+                       key: str) -> list[Evidence]:
+    """Split a learner step's metric `key` (`signal_key`) by sampling version (`by_staleness`,
+    staleness = version − policy_version), each with the budget its trajectories were sampled at
+    (None if they differ)."""
     budgets: dict[int, set[int | None]] = {}
     for t in trajectories:
         budgets.setdefault(t.policy_version, set()).add(t.sampling.kv_budget if t.sampling else None)
@@ -103,7 +113,7 @@ def evidence_from_step(trajectories: Sequence[Trajectory], metrics: Mapping[str,
     for lag, figures in (metrics.get("by_staleness") or {}).items():
         sampled_at = version - int(lag)
         seen = budgets.get(sampled_at, {None})
-        value = figures.get(metric)
+        value = figures.get(key)
         if value is None:
             continue
         cells.append(Evidence(version=sampled_at, budget=next(iter(seen)) if len(seen) == 1 else None,

@@ -18,6 +18,7 @@ shape), not the trainer's whole settings: `LearnerConfig.of(settings)` picks the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -55,6 +56,9 @@ REPLAY_VERSIONS = 4
 # Correction metrics reported per staleness (trainer version − sampling version): with staleness
 # > 0, ξ mixes weight lag with KV sparsity, so the two are only comparable split this way.
 _BY_STALENESS = ("xi_mean", "kl_old_sampler", "rejection_rate", "divergent_rate", "token_mask_rate")
+# The mismatch figures also reported against a dense recompute when the recompute is replayed
+# (`LearnerConfig.dense_mismatch`): the adaptive KV budget's signals.
+DENSE_MISMATCH = ("rejection_rate", "divergent_rate", "kl_old_sampler")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -92,6 +96,10 @@ class LearnerConfig:
     activation_checkpointing: bool
     measure_batch_gain: bool
     patch_encoding: Encoding
+    # Under eviction replay the old log-probs follow the sampler's own cache, so the step's mismatch
+    # figures read ~0 at any budget; the adaptive KV budget then needs them against a dense recompute
+    # too (`dense_<metric>`; one more no-grad forward per step).
+    dense_mismatch: bool = False
 
     @classmethod
     def of(cls, settings: TrainerSettings) -> LearnerConfig:
@@ -99,7 +107,9 @@ class LearnerConfig:
                    micro_batch=settings.micro_batch, ppo_updates=settings.ppo_updates,
                    temperature=settings.sampling.temperature, bf16_autocast=settings.bf16_autocast,
                    activation_checkpointing=settings.activation_checkpointing,
-                   measure_batch_gain=settings.measure_batch_gain, patch_encoding=settings.publish.encoding)
+                   measure_batch_gain=settings.measure_batch_gain, patch_encoding=settings.publish.encoding,
+                   dense_mismatch=(settings.kv_control.mode == "adaptive"
+                                   and settings.loss.recompute == "replayed"))
 
 
 @dataclass
@@ -190,8 +200,18 @@ class Learner:
         with torch.no_grad():
             logp_old = self._logprobs_all(self.model, batch)
             logp_ref = self._logprobs_all(self.ref_model, batch) if self.ref_model is not None else None
+            logp_dense = None
+            if s.dense_mismatch:
+                logp_dense = logp_old
+                if batch.layer_masks is not None:
+                    logp_dense = self._logprobs_all(self.model, dataclasses.replace(batch, layer_masks=None))
         corrections = sparse_rl_corrections(logp_old, batch.logp_sampler, mask, s.loss.corrections,
                                             advantages)
+        dense: dict[str, float] = {}
+        if logp_dense is not None:
+            figures = sparse_rl_corrections(logp_dense, batch.logp_sampler, mask, s.loss.corrections,
+                                            advantages).metrics
+            dense = {f"dense_{k}": figures[k] for k in DENSE_MISMATCH}
         logp_before = None
         if s.measure_batch_gain:
             # In fp32 before and after the update: under bf16 autocast the weights are rounded at every
@@ -266,8 +286,9 @@ class Learner:
                          if batch.kv_peak_tokens.sum() > 0 else 0.0),
             "kv_peak_bytes_mean": float(batch.kv_peak_bytes.mean()),
             "staleness": {str(k): v for k, v in batch.staleness(version).items()},
-            "by_staleness": self._by_staleness(batch, version, logp_old, advantages),
+            "by_staleness": self._by_staleness(batch, version, logp_old, advantages, logp_dense),
             **{k: v for k, v in corrections.metrics.items() if k != "kept_tokens"},
+            **dense,
             **gain,
         }
 
@@ -369,15 +390,23 @@ class Learner:
                          logp_ref=None if logp_ref is None else logp_ref[rows],
                          corrections=corrections.rows(rows), normalizer=normalizer)
 
-    def _by_staleness(self, batch: TrainBatch, version: int, logp_old: torch.Tensor,
-                      advantages: torch.Tensor) -> dict[str, dict[str, float]]:
+    def _by_staleness(self, batch: TrainBatch, version: int, logp_old: torch.Tensor, advantages: torch.Tensor,
+                      logp_dense: torch.Tensor | None = None) -> dict[str, dict[str, float]]:
         versions = torch.tensor(batch.policy_versions, device=self.device)[batch.group_index]
         out = {}
         for lag in sorted(set(batch.staleness(version))):
             rows = (version - versions == lag).nonzero()[:, 0]
-            sub = sparse_rl_corrections(logp_old[rows], batch.logp_sampler[rows], batch.completion_mask[rows],
-                                        self.config.loss.corrections, advantages[rows])
-            out[str(lag)] = {k: sub.metrics[k] for k in _BY_STALENESS} | {"sequences": int(rows.numel())}
+
+            def figures(logp: torch.Tensor, rows: torch.Tensor = rows) -> dict[str, float]:
+                return sparse_rl_corrections(logp[rows], batch.logp_sampler[rows],
+                                             batch.completion_mask[rows], self.config.loss.corrections,
+                                             advantages[rows]).metrics
+
+            old = figures(logp_old)
+            out[str(lag)] = {k: old[k] for k in _BY_STALENESS} | {"sequences": int(rows.numel())}
+            if logp_dense is not None:
+                dense = figures(logp_dense)
+                out[str(lag)] |= {f"dense_{k}": dense[k] for k in DENSE_MISMATCH}
         return out
 
     def _logprobs_all(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:

@@ -16,8 +16,9 @@ the harness fills a mount through /proc/<holder>/root.
 
 The harness plays the orchestrator only where one would act: it restarts a killed worker (as
 Kubernetes or compose `restart:` do) and brings Redis and the registry back after their outage.
-`pytest -m chaos` runs it (a few minutes); `python -m tests.integration.stack.test_chaos_soak` also writes
-the figures to bench/results/chaos-soak-cpu.json.
+`make test-chaos` (`pytest -m chaos`, run by CI after `make test`) runs it (a few minutes);
+`python -m tests.integration.stack.test_chaos_soak` also writes the figures to
+bench/results/chaos-soak-cpu.json.
 """
 
 from __future__ import annotations

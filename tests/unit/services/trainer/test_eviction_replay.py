@@ -13,6 +13,7 @@ from services.rollout.engine import KVConfig, LLMEngine, SamplingParams
 from services.rollout.models.decoder import load_pretrained
 from services.rollout.worker import sampling_info, score_samples
 from services.trainer.batching import collate
+from services.trainer.kv_budget import evidence_from_step, signal_key
 from services.trainer.learner import Learner, LearnerConfig
 from services.trainer.optim import OptimSettings
 from services.trainer.settings import TrainerSettings
@@ -140,3 +141,32 @@ def test_recorded_evictions_stand_in_for_the_replay(sharp_model_dir: str, tmp_pa
     masks = learner._replayed_masks(broken, batch, version=0)
     assert masks is not None and same_over_real_tokens(masks)
     assert learner.replayed_samples == 1
+
+
+def test_the_adaptive_budget_under_replay_reads_the_dense_mismatch(sharp_model_dir: str,
+                                                                  tmp_path: Path) -> None:
+    """Replayed, the trainer's mismatch figures match the sampler at any budget (a controller reading
+    them would take the budget to its floor); with the adaptive budget on, the learner also scores
+    the batch against a dense recompute, and that is what the controller reads."""
+    kv = KVConfig(policy="rkv", budget=6, buffer=2, window=2, keep_prompt=False)
+    trajectories = _trajectories(sharp_model_dir, kv)
+    dense = _learner(sharp_model_dir, tmp_path / "dense", "dense").train_step(trajectories)
+
+    def config(recompute: str, mode: str) -> LearnerConfig:
+        settings = TrainerSettings(model=sharp_model_dir, data_dir=str(tmp_path), device="cpu", ppo_updates=1,
+                                   bf16_autocast=False, loss={"recompute": recompute},
+                                   kv_control={"mode": mode}, optim=OptimSettings(lr=1e-3))
+        return LearnerConfig.of(settings)
+
+    assert not config("replayed", "fixed").dense_mismatch and not config("dense", "adaptive").dense_mismatch
+    learner = Learner(config("replayed", "adaptive"), Path(sharp_model_dir), pad_id=0)
+    metrics = learner.train_step(trajectories)
+    assert metrics["kl_old_sampler"] < 1e-5 < 1e-3 < metrics["dense_kl_old_sampler"]
+    # The same weights and batch as the dense learner's step: its figures.
+    assert metrics["dense_kl_old_sampler"] == pytest.approx(dense["kl_old_sampler"], rel=1e-3)
+    for name in ("divergent_rate", "rejection_rate"):
+        assert metrics[f"dense_{name}"] == pytest.approx(dense[name], abs=1 / 12)  # 12 sequences
+    assert metrics["by_staleness"]["0"]["dense_kl_old_sampler"] == metrics["dense_kl_old_sampler"]
+    [evidence] = evidence_from_step(trajectories, metrics, 0, signal_key("kl_old_sampler", replayed=True))
+    assert evidence.value == metrics["dense_kl_old_sampler"] and evidence.budget == 6
+    assert signal_key("kl_old_sampler", replayed=False) == "kl_old_sampler"

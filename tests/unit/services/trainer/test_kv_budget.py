@@ -128,7 +128,7 @@ def test_evidence_is_split_by_sampling_version() -> None:
     metrics = {"by_staleness": {"0": {"rejection_rate": 0.5, "kl_old_sampler": 0.1, "sequences": 8},
                                 "1": {"rejection_rate": 0.2, "kl_old_sampler": 0.05, "sequences": 16}}}
     cells = evidence_from_step([traj(5, 40), traj(4, 32), traj(4, 40)], metrics, version=5,
-                               metric="kl_old_sampler")
+                               key="kl_old_sampler")
     assert sorted(cells, key=lambda c: c.version) == [Evidence(4, None, 16, 0.05), Evidence(5, 40, 8, 0.1)]
 
 
@@ -139,7 +139,7 @@ def test_the_divergent_share_can_be_the_signal() -> None:
     traj = Trajectory(group_id="g", attempt=1, policy_version=3, worker_id="w", task="addition", prompt="p",
                       samples=[], sampling=SamplingInfo(temperature=1.0, kv_policy="rkv", kv_budget=32))
     metrics = {"by_staleness": {"0": {"rejection_rate": 0.03, "divergent_rate": 0.35, "sequences": 64}}}
-    evidence = evidence_from_step([traj], metrics, version=3, metric="divergent_rate")
+    evidence = evidence_from_step([traj], metrics, version=3, key="divergent_rate")
     assert evidence == [Evidence(3, 32, 64, 0.35)]
     # 35 % divergent is over a 20 % target (3 % vetoed would have been under it): the budget rises.
     control = _controller(metric="divergent_rate", target=0.2)
@@ -156,6 +156,10 @@ def test_settings_validate_and_come_from_the_environment(monkeypatch: pytest.Mon
     monkeypatch.setenv("SPARSECAST_KV_CONTROL__MAX_BUDGET", "96")
     kv = TrainerSettings(data_dir="x").kv_control
     assert (kv.mode, kv.target, kv.max_budget, kv.min_budget) == ("adaptive", 0.1, 96, 16)
+    # The divergent share by default: under the default rule (veto_negative) the veto rate counts
+    # only the divergent losers (docs/training.md, "Which signal").
+    rule = TrainerSettings(data_dir="x").loss.corrections.divergence_rule
+    assert kv.metric == "divergent_rate" and rule == "veto_negative"
 
 
 def test_a_reversal_halves_the_step_so_the_budget_settles() -> None:
