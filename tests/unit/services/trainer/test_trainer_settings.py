@@ -99,7 +99,9 @@ def test_the_learner_takes_its_sections_not_the_settings() -> None:
     # Everything else it reads is a trainer setting of the same name, copied as is.
     assert config.temperature == settings.sampling.temperature == 0.7  # its one field of `sampling`
     assert config.patch_encoding == settings.publish.encoding == "auto"
-    sections = ("optim", "loss", "temperature", "patch_encoding")
+    # Derived: an adaptive KV budget under eviction replay (test_eviction_replay covers it on).
+    assert config.dense_mismatch is False
+    sections = ("optim", "loss", "temperature", "patch_encoding", "dense_mismatch")
     others = [f.name for f in dataclasses.fields(LearnerConfig) if f.name not in sections]
     assert [getattr(config, name) for name in others] == [getattr(settings, name) for name in others]
 
