@@ -249,6 +249,7 @@ def run_arm(cfg: LearningConfig, arm: str, seed: int, model_dir: Path, budget: i
     train_kv = KVConfig(policy="dense") if policy == "dense" else modes["sparse"]
     held_out = task.make_prompts(cfg.eval_prompts, seed=EVAL_SEED)
     controller = KVBudgetController(kv_control) if arm in CONTROLLED else None
+    signal = signal_key(kv_control.metric, learner.config.dense_mismatch)
     started = time.perf_counter()
     with out.open("w") as f:
         def emit(row: dict[str, Any]) -> None:
@@ -286,8 +287,7 @@ def run_arm(cfg: LearningConfig, arm: str, seed: int, model_dir: Path, budget: i
             control: dict[str, Any] = {
                 "rollout_kv_budget": train_kv.sparse_budget}
             if controller is not None:  # the next step's budget, as a published version carries it
-                key = signal_key(kv_control.metric, loss.recompute == "replayed")
-                cells = evidence_from_step(trajectories, metrics, step, key)
+                cells = evidence_from_step(trajectories, metrics, step, signal)
                 control |= controller.update(cells, next_version=step + 1)
                 train_kv = train_kv.model_copy(update={"budget": control["kv_budget"]})
             emit({"type": "step", **metrics, **control, "generate_seconds": t_gen,

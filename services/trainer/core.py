@@ -385,7 +385,7 @@ class Trainer:
         metrics = self.learner.train_step(trajectories, version=self.version)
         metrics["refused_trajectories"], self._refused_this_step = self._refused_this_step, 0
         # The budget published with the version this step makes, from evidence at the budget in force.
-        key = signal_key(self.settings.kv_control.metric, self.settings.loss.recompute == "replayed")
+        key = signal_key(self.settings.kv_control.metric, self.learner.config.dense_mismatch)
         evidence = evidence_from_step(trajectories, metrics, self.version, key)
         metrics |= self.kv_control.update(evidence, next_version=self.version + 1)
         if self.settings.eval_every and self.step % self.settings.eval_every == 0:

@@ -94,11 +94,11 @@ class Evidence:
     value: float
 
 
-def signal_key(metric: Metric, replayed: bool) -> str:
+def signal_key(metric: Metric, dense_mismatch: bool) -> str:
     """The step metric that carries `metric`: under eviction replay the trainer's own figures match
-    the sampler by construction, so the controller reads them against a dense recompute
-    (`dense_<metric>`, which the learner adds then: LearnerConfig.dense_mismatch)."""
-    return f"dense_{metric}" if replayed else metric
+    the sampler by construction, so the learner also reports them against a dense recompute
+    (`dense_<metric>`, when its LearnerConfig.dense_mismatch is on) and the controller reads those."""
+    return f"dense_{metric}" if dense_mismatch else metric
 
 
 def evidence_from_step(trajectories: Sequence[Trajectory], metrics: Mapping[str, Any], version: int,

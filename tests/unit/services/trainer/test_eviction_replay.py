@@ -167,6 +167,7 @@ def test_the_adaptive_budget_under_replay_reads_the_dense_mismatch(sharp_model_d
     for name in ("divergent_rate", "rejection_rate"):
         assert metrics[f"dense_{name}"] == pytest.approx(dense[name], abs=1 / 12)  # 12 sequences
     assert metrics["by_staleness"]["0"]["dense_kl_old_sampler"] == metrics["dense_kl_old_sampler"]
-    [evidence] = evidence_from_step(trajectories, metrics, 0, signal_key("kl_old_sampler", replayed=True))
+    key = signal_key("kl_old_sampler", learner.config.dense_mismatch)
+    [evidence] = evidence_from_step(trajectories, metrics, 0, key)
     assert evidence.value == metrics["dense_kl_old_sampler"] and evidence.budget == 6
-    assert signal_key("kl_old_sampler", replayed=False) == "kl_old_sampler"
+    assert signal_key("kl_old_sampler", dense_mismatch=False) == "kl_old_sampler"
