@@ -40,11 +40,13 @@ class DemoOptions:
     # calibration; cached per model). None: `kv_budget` as given. For a model the default cache hurts
     # too much to learn from (docs/training.md, "On another machine: the warm start decides").
     kv_calibrate: float | None = None
-    # The trainer's adaptive KV budget (services.trainer.kv_budget; off by default): from kv_budget,
-    # moved within [kv_min, kv_max] between versions to hold its mismatch metric (the share of
-    # sequences with a divergent token, against a dense recompute) at kv_target; the workers
-    # follow at their next weight swap. None: the trainer's defaults (docs/training.md).
-    kv_adaptive: bool = False
+    # The trainer's adaptive KV budget (services.trainer.kv_budget): from kv_budget, moved within
+    # [kv_min, kv_max] between versions to hold its mismatch metric (the share of sequences with a
+    # divergent token, against a dense recompute) at kv_target; the workers follow at their next
+    # weight swap. None: the trainer's defaults (docs/training.md). On by default: at a fixed 32 the
+    # batches sampled under the cache rose +1.6 to +9.1 points on an Intel AMX CPU and capped at AVX2,
+    # adaptive +12 to +50 at 29-36 % KV saved instead of 46 % (docs/training.md, "The demo").
+    kv_adaptive: bool = True
     kv_target: float | None = None
     kv_min: int | None = None
     kv_max: int | None = None

@@ -1,4 +1,4 @@
-"""The demo's adaptive KV budget options: off by default, passed to the trainer as the
+"""The demo's adaptive KV budget options: on by default, passed to the trainer as the
 SPARSECAST_KV_CONTROL__* settings it reads, and shown in the summary."""
 
 from __future__ import annotations
@@ -32,10 +32,20 @@ def _trainer_settings(monkeypatch: pytest.MonkeyPatch, options: DemoOptions,
     return TrainerSettings(data_dir=str(tmp_path))
 
 
-def test_off_by_default_the_trainer_keeps_its_fixed_mode(monkeypatch: pytest.MonkeyPatch,
-                                                         tmp_path: Path) -> None:
+def test_on_by_default_from_the_demo_budget_with_the_trainer_defaults(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Path) -> None:
     options = _options(monkeypatch)
     assert options == DemoOptions()  # the demo's defaults are untouched
+    kv = _trainer_settings(monkeypatch, options, tmp_path).kv_control
+    defaults = TrainerSettings(data_dir=str(tmp_path)).kv_control  # what the demo leaves to the trainer
+    assert (kv.mode, kv.start_budget) == ("adaptive", DemoOptions().kv_budget)
+    assert (kv.metric, kv.target, kv.min_budget, kv.max_budget) == (
+        defaults.metric, defaults.target, defaults.min_budget, defaults.max_budget)
+
+
+def test_no_kv_adaptive_keeps_the_trainer_fixed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    options = _options(monkeypatch, "--no-kv-adaptive")
+    assert options.kv_adaptive is False
     stack = Stack(options)
     assert stack.kv_control_env() == {}
     stack.http.close()
@@ -70,4 +80,4 @@ def test_the_summary_shows_the_budget_it_moved(tmp_path: Path) -> None:
         return console.export_text()
 
     assert "budget 32 → 44 (adaptive) tokens" in text(DemoOptions(kv_adaptive=True))
-    assert "budget 32 tokens" in text(DemoOptions())
+    assert "budget 32 tokens" in text(DemoOptions(kv_adaptive=False))

@@ -99,8 +99,8 @@ def test_the_stop_waits_for_the_sampled_accuracy_under_the_cache(tmp_path, monke
     under_cache = iter([0.1, 0.2, 0.5])
     engine_checks: list[int] = []
 
-    def dense_check(*args, **kwargs):
-        return {"accuracy": 1.0, "mean_reward": 1.0}
+    def dense_check(*args, **kwargs):  # past sampled_target, below the default sampled_ceiling
+        return {"accuracy": 0.6, "mean_reward": 0.6}
 
     def engine_check(engine, tokenizer, task, pairs, kv, temperature, batch, seed):
         engine_checks.append(len(pairs))
@@ -118,3 +118,15 @@ def test_the_stop_waits_for_the_sampled_accuracy_under_the_cache(tmp_path, monke
 
     dense = recipe.model_copy(update={"evict_share": 0.0})
     assert train_warmstart(dense, tmp_path / "dense", log_every=0)["steps_done"] == 2
+
+    # A cached sampler that never reaches its target: the stop comes at the dense ceiling, not at `steps`.
+    under_cache = iter([0.1] * 20)
+    engine_checks.clear()
+    capped = recipe.model_copy(update={"sampled_ceiling": 0.5})
+    report = train_warmstart(capped, tmp_path / "capped", log_every=0)
+    assert report["steps_done"] == 2 and engine_checks == [8]
+    assert report["sampled_checks"][-1]["stopped_at_ceiling"] is True
+    # Without a ceiling the wait goes on to `steps`.
+    under_cache = iter([0.1] * 20)
+    uncapped = recipe.model_copy(update={"sampled_ceiling": None})
+    assert train_warmstart(uncapped, tmp_path / "uncapped", log_every=0)["steps_done"] == 20
