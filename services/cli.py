@@ -360,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="let the trainer move the workers' KV budget between versions to hold the "
                            "mismatch at --kv-target, from --kv-budget within [--kv-min, --kv-max] "
                            "(docs/training.md, \"Adaptive KV budget\"; default "
-                           f"{'on' if defaults.kv_adaptive else 'off'}; --no-kv-adaptive: a fixed --kv-budget)")
+                           f"{'on' if defaults.kv_adaptive else 'off'}; "
+                           "--no-kv-adaptive: a fixed --kv-budget)")
     demo.add_argument("--kv-target", type=_share, metavar="RATE",
                       help=f"share of sequences with a divergent token the adaptive budget holds "
                            f"(kv_control.metric {kv_defaults.metric}; default {kv_defaults.target})")

@@ -45,7 +45,7 @@ class DemoOptions:
     # divergent token, against a dense recompute) at kv_target; the workers follow at their next
     # weight swap. None: the trainer's defaults (docs/training.md). On by default: at a fixed 32 the
     # batches sampled under the cache rose +1.6 to +9.1 points on an Intel AMX CPU and capped at AVX2,
-    # adaptive +12 to +50 at 29-36 % KV saved instead of 46 % (docs/training.md, "The demo").
+    # adaptive +10 to +50 at 29-39 % KV saved instead of 46 % (docs/training.md, "The demo").
     kv_adaptive: bool = True
     kv_target: float | None = None
     kv_min: int | None = None

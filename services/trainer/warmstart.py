@@ -317,7 +317,8 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
                 break
             if recipe.sampled_ceiling is not None and sampled["accuracy"] >= recipe.sampled_ceiling:
                 checks[-1]["stopped_at_ceiling"] = True
-                print(f"warmstart step {step + 1}: stopped at the dense ceiling {recipe.sampled_ceiling}", flush=True)
+                print(f"warmstart step {step + 1}: stopped at the dense ceiling {recipe.sampled_ceiling}",
+                      flush=True)
                 break
     train_s = time.perf_counter() - started
 
