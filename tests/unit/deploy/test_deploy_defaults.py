@@ -99,6 +99,14 @@ def test_compose_recomputes_as_the_demo_does() -> None:
     assert "SPARSECAST_LOSS__RECOMPUTE" not in services["trainer-gpu"].get("environment", {})
 
 
+def test_compose_moves_the_kv_budget_as_the_demo_does() -> None:
+    """The CPU profile runs the trainer's KV budget controller, as `make demo` does by default."""
+    services = load_compose()["services"]
+    env = {k: compose_default(v) for k, v in services["trainer"]["environment"].items()}
+    assert DemoOptions().kv_adaptive and env["SPARSECAST_KV_CONTROL__MODE"] == "adaptive"
+    assert "SPARSECAST_KV_CONTROL__MODE" not in services["trainer-gpu"].get("environment", {})
+
+
 def test_compose_submits_whole_demo_steps() -> None:
     command = load_compose()["services"]["demo-submit"]["command"]
     count = int(compose_default(command[command.index("--generate") + 1]))
