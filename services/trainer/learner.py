@@ -201,16 +201,16 @@ class Learner:
             logp_old = self._logprobs_all(self.model, batch)
             logp_ref = self._logprobs_all(self.ref_model, batch) if self.ref_model is not None else None
             logp_dense = None
-            if s.dense_mismatch:
-                logp_dense = logp_old
-                if batch.layer_masks is not None:
-                    logp_dense = self._logprobs_all(self.model, dataclasses.replace(batch, layer_masks=None))
+            if s.dense_mismatch:  # without replayed masks the old log-probs already are dense
+                logp_dense = (logp_old if batch.layer_masks is None else
+                              self._logprobs_all(self.model, dataclasses.replace(batch, layer_masks=None)))
         corrections = sparse_rl_corrections(logp_old, batch.logp_sampler, mask, s.loss.corrections,
                                             advantages)
         dense: dict[str, float] = {}
         if logp_dense is not None:
-            figures = sparse_rl_corrections(logp_dense, batch.logp_sampler, mask, s.loss.corrections,
-                                            advantages).metrics
+            figures = (corrections.metrics if logp_dense is logp_old else
+                       sparse_rl_corrections(logp_dense, batch.logp_sampler, mask, s.loss.corrections,
+                                             advantages).metrics)
             dense = {f"dense_{k}": figures[k] for k in DENSE_MISMATCH}
         logp_before = None
         if s.measure_batch_gain:
@@ -405,7 +405,7 @@ class Learner:
             old = figures(logp_old)
             out[str(lag)] = {k: old[k] for k in _BY_STALENESS} | {"sequences": int(rows.numel())}
             if logp_dense is not None:
-                dense = figures(logp_dense)
+                dense = old if logp_dense is logp_old else figures(logp_dense)
                 out[str(lag)] |= {f"dense_{k}": dense[k] for k in DENSE_MISMATCH}
         return out
 
