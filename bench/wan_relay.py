@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import gc
 import io
 import json
 import os
@@ -37,6 +38,7 @@ from typing import Any
 
 from bench.netns import Link, Net, every_pair_rtt
 from bench.wan_stack import GBIT, MBIT, PEER_PORT, REDIS_PORT, REGISTRY_PORT, ROOT, RUN, TOKEN, Stack, barrier
+from shared.gcheap import freeze_startup_heap
 
 WORKERS = 8
 RATES = {"1gbit": GBIT, "100mbit": 100 * MBIT}
@@ -98,6 +100,8 @@ async def _relay_worker(cfg: dict[str, Any]) -> dict[str, Any]:
             break
         except Exception:  # noqa: BLE001 - starting
             await asyncio.sleep(0.3)
+    freeze_startup_heap()  # as the rollout service does once started (shared.gcheap)
+    gc.callbacks.append(full_passes := _FullPasses())
     await barrier(cfg)
     version, rounds = 0, []
     status = Path(cfg["out"] + ".status")
@@ -141,7 +145,23 @@ async def _relay_worker(cfg: dict[str, Any]) -> dict[str, Any]:
         await serving
         await relay.aclose()
     await client.aclose()
-    return {"worker": cfg["index"], "rounds": rounds}
+    gc.callbacks.remove(full_passes)
+    return {"worker": cfg["index"], "rounds": rounds, "gc_full_passes": full_passes.passes}
+
+
+class _FullPasses:
+    """gc callback: [wall time at start, seconds] of each full (generation-2) collection, which stalls
+    every stream the process forwards (shared.gcheap)."""
+
+    def __init__(self) -> None:
+        self.passes: list[list[float]] = []
+        self._began = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._began = time.time()
+        elif info["generation"] == 2:
+            self.passes.append([self._began, round(time.time() - self._began, 4)])
 
 
 def hub_counters(net: Net) -> int:

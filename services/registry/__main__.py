@@ -8,6 +8,7 @@ import sys
 import uvicorn
 
 from services.registry.settings import RegistrySettings
+from shared.gcheap import freeze_startup_heap
 from shared.http import require_token_off_loopback
 from shared.settings_help import handle_cli
 
@@ -22,7 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = RegistrySettings()
     require_token_off_loopback("registry", settings.host, settings.api_token)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
+    app = create_app(settings)
+    freeze_startup_heap()  # a full GC pass would stall every download in flight (shared.gcheap)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info",
                 timeout_keep_alive=settings.keep_alive_s)  # idle connections of slow clients close
     return 0
 

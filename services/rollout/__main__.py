@@ -8,6 +8,7 @@ import sys
 import uvicorn
 
 from services.rollout.settings import RolloutSettings
+from shared.gcheap import freeze_startup_heap
 from shared.http import require_token_off_loopback
 from shared.registry.transport import KEEP_ALIVE_S
 from shared.relay import peer_listener
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     # buffers wider than autotuning's where the kernel allows (a window for 1 Gbit/s at 100 ms).
     config = uvicorn.Config(create_app(settings), log_level="info", timeout_graceful_shutdown=30,
                             timeout_keep_alive=KEEP_ALIVE_S)
+    freeze_startup_heap()  # a full GC pass would stall the streams this worker relays (shared.gcheap)
     uvicorn.Server(config).run(sockets=[peer_listener(settings.host, settings.port)])
     return 0
 
