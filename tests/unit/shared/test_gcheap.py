@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import socket
 import weakref
 from pathlib import Path
 
@@ -47,7 +48,13 @@ def test_the_service_entry_points_freeze_once_the_app_is_built(
 
     served: list[object] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **_: served.append(app))
-    monkeypatch.setattr(uvicorn.Server, "run", lambda self, **_: served.append(self.config.app))
+
+    def serve(self: uvicorn.Server, sockets: list[socket.socket]) -> None:
+        served.append(self.config.app)
+        for listener in sockets:  # the rollout's peer listener, bound for real: not left open
+            listener.close()
+
+    monkeypatch.setattr(uvicorn.Server, "run", serve)
     monkeypatch.setenv("SPARSECAST_STORE_URL", f"file://{tmp_path}/store")
     monkeypatch.setenv("SPARSECAST_PORT", str(free_port()))
     try:
