@@ -78,3 +78,13 @@ def test_a_dotted_override_sets_a_field_of_the_warm_start_recipe() -> None:
     assert cfg.recipe.fingerprint() != PRESETS["gpu"].recipe.fingerprint()  # another warm start
     with pytest.raises(ValueError):  # validated like any other field
         configure(PRESETS["gpu"].model_dump(), ["recipe.evict_share=2"])
+
+
+def test_the_gpu_presets_controller_is_the_one_measured_at_parity() -> None:
+    """0.45 divergent, 2 steps of 512 sequences per move, 16-96 tokens: the settings of the three
+    warm starts' runs; a `kv_control=` override replaces them whole (as the documented commands do)."""
+    control = PRESETS["gpu"].kv_control
+    assert (control.metric, control.target, control.min_sequences) == ("divergent_rate", 0.45, 1024)
+    assert (control.min_budget, control.max_budget, control.step) == (16, 96, 4)
+    cfg = configure(PRESETS["gpu"].model_dump(), ['kv_control={"target": 0.3}'])
+    assert (cfg.kv_control.target, cfg.kv_control.max_budget) == (0.3, 512)
