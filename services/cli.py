@@ -264,7 +264,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     given = dict(
         steps=args.steps, workers=args.workers, kv_policy=args.kv_policy, kv_budget=args.kv_budget,
         groups_per_step=args.groups, samples_per_prompt=args.samples, keep_running=args.keep_running,
-        folder=Path(args.dir), model=args.model, lr=args.lr, token=args.token, device=args.device,
+        folder=Path(args.dir), model=args.model, lr=args.lr, kl_coef=args.kl_coef, token=args.token,
+        device=args.device,
         kv_buffer=args.kv_buffer, kv_keep_prompt=args.kv_keep_prompt, kv_calibrate=args.kv_calibrate,
         digits=args.digits, seed=args.seed, kv_adaptive=args.kv_adaptive, kv_target=args.kv_target,
         kv_min=args.kv_min, kv_max=args.kv_max, recompute=args.recompute,
@@ -288,6 +289,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
     return value
 
 
@@ -383,6 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--samples", type=_positive, help=f"samples per prompt (default {defaults.samples_per_prompt})"
     )
     demo.add_argument("--lr", type=float, help=f"trainer learning rate (default {defaults.lr})")
+    demo.add_argument("--kl-coef", type=_non_negative, metavar="BETA",
+                      help="k3 KL to the starting model in the loss (default the trainer's, 0: none); "
+                           "0.04 kept lr 1e-4 stable on a GPU (docs/training.md, \"A KL anchor\")")
     demo.add_argument("--seed", type=int, help=f"trainer and prompt seed (default {defaults.seed})")
     demo.add_argument("--keep-running", action="store_true",
                       help="after the last step keep the stack (and the dashboard) up until Ctrl-C")

@@ -265,7 +265,6 @@ class Stack:
             "SPARSECAST_GROUPS_PER_STEP": str(o.groups_per_step),
             "SPARSECAST_SAMPLES_PER_PROMPT": str(o.samples_per_prompt),
             "SPARSECAST_OPTIM__LR": str(o.lr),
-            "SPARSECAST_LOSS__RECOMPUTE": o.recompute,
             "SPARSECAST_SEED": str(o.seed),
             # A held-out check with a dense cache before the first step and every third of the run.
             "SPARSECAST_EVAL_EVERY": str(max(1, o.steps // 3)),
@@ -274,8 +273,15 @@ class Stack:
             "SPARSECAST_COLLECT_TIMEOUT_S": "60",
             "OMP_NUM_THREADS": "2",
         }
-        self.python("trainer", "services.trainer", env | self.kv_control_env())
+        self.python("trainer", "services.trainer", env | self.loss_env() | self.kv_control_env())
         self.urls["trainer"] = f"http://127.0.0.1:{port}"
+
+    def loss_env(self) -> dict[str, str]:
+        """The trainer's loss settings the demo sets (LossConfig): the recompute, and the anchor if given."""
+        env = {"SPARSECAST_LOSS__RECOMPUTE": self.o.recompute}
+        if self.o.kl_coef is not None:
+            env["SPARSECAST_LOSS__KL_COEF"] = str(self.o.kl_coef)
+        return env
 
     def kv_control_env(self) -> dict[str, str]:
         """The trainer's KV budget controller (TrainerSettings.kv_control): adaptive from the workers'

@@ -26,6 +26,9 @@ class DemoOptions:
     folder: Path = Path("data/demo")
     model: str = "tiny-demo"  # or a HF model folder (skips the warm-start build)
     lr: float = DEMO_OPTIM.lr  # the trainer's learning rate, services.trainer.optim.DEMO_OPTIM
+    # The anchor: k3 KL to the starting model in the loss (services.trainer.loss.LossConfig.kl_coef).
+    # None: the trainer's default. Costs a reference copy of the model and a forward per step.
+    kl_coef: float | None = None
     token: str | None = None
     device: str = "cpu"  # trainer and workers; "cuda" puts all of them on the GPU
     # Re-compression interval: for the same peak (budget + buffer) a small buffer keeps more tokens

@@ -81,3 +81,19 @@ def test_the_summary_shows_the_budget_it_moved(tmp_path: Path) -> None:
 
     assert "budget 32 → 44 (adaptive) tokens" in text(DemoOptions(kv_adaptive=True))
     assert "budget 32 tokens" in text(DemoOptions(kv_adaptive=False))
+
+
+def test_the_anchor_reaches_the_trainer_only_when_given(monkeypatch: pytest.MonkeyPatch,
+                                                        tmp_path: Path) -> None:
+    default = TrainerSettings(data_dir=str(tmp_path)).loss.kl_coef
+    for argv, expected in ((["--kl-coef", "0.04"], 0.04), ([], default)):
+        stack = Stack(_options(monkeypatch, *argv))
+        env = stack.loss_env()
+        stack.http.close()
+        assert ("SPARSECAST_LOSS__KL_COEF" in env) == bool(argv)
+        with monkeypatch.context() as m:
+            for key, value in env.items():
+                m.setenv(key, value)
+            loss = TrainerSettings(data_dir=str(tmp_path)).loss
+        assert (loss.kl_coef, loss.recompute) == (expected, DemoOptions().recompute)
+    assert cli.main(["demo", "--kl-coef", "-0.1"]) == 2  # a usage error, before anything starts
