@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import math
 import os
 import subprocess
 import sys
@@ -294,8 +295,8 @@ def _positive(text: str) -> int:
 
 def _non_negative(text: str) -> float:
     value = float(text)
-    if not value >= 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
+    if not 0 <= value < math.inf:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"must be a finite number of at least 0, got {text}")
     return value
 
 

@@ -1,5 +1,5 @@
-"""The demo's adaptive KV budget options: on by default, passed to the trainer as the
-SPARSECAST_KV_CONTROL__* settings it reads, and shown in the summary."""
+"""The demo's trainer options: the adaptive KV budget (on by default, passed as the
+SPARSECAST_KV_CONTROL__* settings the trainer reads, and shown in the summary) and the loss's anchor."""
 
 from __future__ import annotations
 
@@ -96,4 +96,5 @@ def test_the_anchor_reaches_the_trainer_only_when_given(monkeypatch: pytest.Monk
                 m.setenv(key, value)
             loss = TrainerSettings(data_dir=str(tmp_path)).loss
         assert (loss.kl_coef, loss.recompute) == (expected, DemoOptions().recompute)
-    assert cli.main(["demo", "--kl-coef", "-0.1"]) == 2  # a usage error, before anything starts
+    for bad in ("-0.1", "nan", "inf"):
+        assert cli.main(["demo", "--kl-coef", bad]) == 2  # a usage error, before anything starts
