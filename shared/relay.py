@@ -36,6 +36,7 @@ import logging
 import re
 import socket
 import ssl
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -52,6 +53,9 @@ log = logging.getLogger(__name__)
 
 WORKER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 MAX_ANNOUNCED_OBJECTS = 64  # a worker keeps a few versions' objects; more is not a relay
+# How often a worker re-announces what it holds between downloads (`Relay.keep_place`): well under
+# the registry's peer_ttl_s (60 s), after which it forgets the worker and its place in the order.
+ANNOUNCE_EVERY_S = 20.0
 
 
 # --- wire types --------------------------------------------------------------------------------
@@ -469,6 +473,7 @@ class Relay:
         piece_timeout_s: float = 10.0,
         idle_connections: int = 4,
         socket_buffer_bytes: int = SOCKET_BUFFER_BYTES,
+        announce_every_s: float = ANNOUNCE_EVERY_S,
     ) -> None:
         if not WORKER_ID.fullmatch(worker_id):
             raise ValueError(f"bad worker id {worker_id!r}")
@@ -478,6 +483,9 @@ class Relay:
         self.piece_timeout_s = piece_timeout_s
         self.idle_connections = idle_connections  # kept open per peer between requests
         self.socket_buffer_bytes = socket_buffer_bytes  # window wanted on peer connections (0: kernel's)
+        self.announce_every_s = announce_every_s
+        self._announced_at: float | None = None  # monotonic time of the last accepted announcement
+        self._announce_failing = False  # logged once per run of failures
         self.stats = RelayStats()
         self.connections_opened = 0
         self._idle: dict[str, list[_PeerConnection]] = {}  # peer (scheme://host:port) → open, unused
@@ -521,7 +529,32 @@ class Relay:
             transport._raise_for(response)
             return response.json()
 
-        return PeerList.model_validate(await transport._retrying(action, "PUT peers")).peers
+        peers = PeerList.model_validate(await transport._retrying(action, "PUT peers")).peers
+        self._announced_at = time.monotonic()
+        return peers
+
+    async def keep_place(self, downloader: Downloader) -> bool:
+        """Announce again what this worker holds once its last announcement is `announce_every_s` old.
+
+        The registry forgets a worker that has not announced for its peer_ttl_s, and one that comes
+        back joins at the end of the order: with steps longer than that, every version would form
+        a new pipeline (a new head fetching from the registry, new neighbours) on new connections,
+        which start from TCP's initial windows. Called between downloads (the weight sync's loop),
+        this keeps the worker's place. A worker that has not announced yet has no place to keep
+        (it takes one with its first download: an announcement holding nothing would rank it before
+        workers it cannot fetch from). Returns whether it announced; a failure is logged once and
+        left to the next call."""
+        if self._announced_at is None or time.monotonic() - self._announced_at < self.announce_every_s:
+            return False
+        try:
+            await self.announce(downloader)
+        except (httpx.HTTPError, RegistryHTTPError) as exc:
+            if not self._announce_failing:
+                log.warning("peer announcement failed (%s); trying again at each round", exc)
+            self._announce_failing = True
+            return False
+        self._announce_failing = False
+        return True
 
     async def fetch(self, downloader: Downloader, downloads: list[_Download]) -> None:
         """Fill `downloads` (every piece verified): from peers where the registry lists some,

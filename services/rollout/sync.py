@@ -33,6 +33,7 @@ from shared.registry.client import RegistryClient
 from shared.registry.errors import RegistryHTTPError
 from shared.registry.sync import WeightTarget, sync_weights
 from shared.registry.wire import Manifest
+from shared.relay import Relay
 from shared.retry import Outage, transient
 
 log = logging.getLogger(__name__)
@@ -120,13 +121,19 @@ class WeightSync:
         """Follow the registry's head. An unreachable registry is waited out (logged once per
         outage, shared.retry); a sync that fails for another reason is retried with backoff too."""
         backoff = self.poll_s
+        relay = self.client.downloader.relay
+        # A relaying worker re-announces its holdings between versions to keep its place in the
+        # pipeline's order (shared.relay.Relay.keep_place), so it wakes at least that often.
+        wait_s = min(VERSION_WAIT_S, relay.announce_every_s) if isinstance(relay, Relay) else VERSION_WAIT_S
         while not stop.is_set():
             self.liveness.beat(LOOP)
             if self.core.weights.kv_budget_of != self.core.weights.version:
                 await self.refresh_budget()  # bootstrapped, or its manifest could not be read
+            if isinstance(relay, Relay):
+                await relay.keep_place(self.client.downloader)
             try:
                 target = await _unless_stopped(
-                    self.client.wait_for_version(self.core.weights.version, timeout=VERSION_WAIT_S,
+                    self.client.wait_for_version(self.core.weights.version, timeout=wait_s,
                                                  poll_s=self.poll_s), stop)
                 if target is not None and target > self.core.weights.version:
                     await self.sync_to(target)

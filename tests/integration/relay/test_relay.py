@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import mmap
 from collections.abc import AsyncIterator, Iterator
-from contextlib import ExitStack, asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
 
 import httpx
@@ -30,19 +30,27 @@ def chain() -> Chain:
     return make_chain(RUN, 3)
 
 
+@contextmanager
+def registry(tmp_path: Path, **options: float) -> Iterator[str]:
+    """A registry on loopback (empty: `publish` fills it)."""
+    settings = RegistrySettings(store_url=f"file://{tmp_path}/store", api_token=TOKEN, piece_bytes=4096,
+                                snapshot_every=0, plan_lease_s=0, **options)
+    with serve_app(create_app(settings)) as base:
+        yield base
+
+
+async def publish(base: str, chain: Chain) -> None:
+    """The chain's v0 snapshot and patches 1-3."""
+    async with RegistryClient(base, RUN, token=TOKEN) as client:
+        await client.publish_snapshot(0, chain.snapshot(0))
+        for v in (1, 2, 3):
+            await client.publish_patch(v, chain.patches[v])
+
+
 @pytest.fixture
 def url(tmp_path: Path, chain: Chain) -> Iterator[str]:
-    settings = RegistrySettings(store_url=f"file://{tmp_path}/store", api_token=TOKEN, piece_bytes=4096,
-                                snapshot_every=0, plan_lease_s=0)
-    with serve_app(create_app(settings)) as base:
-
-        async def publish() -> None:
-            async with RegistryClient(base, RUN, token=TOKEN) as client:
-                await client.publish_snapshot(0, chain.snapshot(0))
-                for v in (1, 2, 3):
-                    await client.publish_patch(v, chain.patches[v])
-
-        asyncio.run(publish())
+    with registry(tmp_path) as base:
+        asyncio.run(publish(base, chain))
         yield base
 
 
@@ -103,6 +111,47 @@ async def test_second_worker_fetches_every_piece_from_the_first(
                 await http.get(f"{url}/v1/runs/{RUN}/plan", params={"from": 0, "to": 1, "peer": "b"})
             ).json()
         assert plan["peers"] == {key: [a.downloader.relay.url]}
+
+
+@pytest.mark.parametrize("keeping", [True, False])
+async def test_a_worker_announcing_between_versions_stays_listed_past_the_registrys_ttl(
+    tmp_path: Path, chain: Chain, peers: ExitStack, keeping: bool
+) -> None:
+    """The registry forgets a peer after peer_ttl_s (1 s here) without an announcement; a worker
+    calling keep_place between versions (due every 0.4 s) stays listed across 2 s and serves the
+    next worker every piece, where one that does not has dropped out and the registry serves."""
+    pieces = -(-len(chain.patches[1]) // 4096)
+    with registry(tmp_path, peer_ttl_s=1.0) as base:
+        await publish(base, chain)
+        async with worker(base, "a", peers, announce_every_s=0.4) as a, worker(base, "b", peers) as b:
+            relay = a.downloader.relay
+            assert not await relay.keep_place(a.downloader)  # no place yet: its first download takes one
+            await sync_weights(a, clone(chain.states[0]), 0, target=1)
+            assert not await relay.keep_place(a.downloader)  # announced just now, with the download
+            announced = 0
+            for _ in range(10):  # 2 s: twice the registry's TTL
+                await asyncio.sleep(0.2)
+                if keeping:
+                    announced += await relay.keep_place(a.downloader)
+            state = clone(chain.states[0])
+            await sync_weights(b, state, 0, target=1)
+            assert same(state, chain.states[1])
+            stats = b.downloader.relay.stats
+            if keeping:
+                assert 3 <= announced <= 5
+                assert (stats.peer_pieces, stats.registry_pieces) == (pieces, 0)
+            else:
+                assert stats.peer_pieces == 0 and stats.peers == {"patches/0-1.patch": []}
+
+
+async def test_keeping_a_place_survives_a_registry_that_is_down(chain: Chain, peers: ExitStack) -> None:
+    """An announcement that fails is logged and tried again at the next call, never raised."""
+    async with worker(f"http://127.0.0.1:{free_port()}", "a", peers, announce_every_s=0.0) as a:
+        relay = a.downloader.relay
+        relay._announced_at = 0.0  # as after a download
+        a.downloader.transport.retries = 0
+        assert not await relay.keep_place(a.downloader)
+        assert not await relay.keep_place(a.downloader)
 
 
 async def test_a_lying_peer_is_dropped_and_the_registry_serves(
