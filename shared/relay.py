@@ -548,7 +548,8 @@ class Relay:
             return False
         try:
             await self.announce(downloader)
-        except (httpx.HTTPError, RegistryHTTPError) as exc:
+        # ValueError: an answer that is no peer list; nothing here may end the caller's loop
+        except (httpx.HTTPError, RegistryHTTPError, OSError, ValueError) as exc:
             if not self._announce_failing:
                 log.warning("peer announcement failed (%s); trying again at each round", exc)
             self._announce_failing = True
