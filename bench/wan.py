@@ -482,7 +482,7 @@ def main() -> None:
     parser.add_argument("--relay", action="store_true", help="the relay fan-out measurement only")
     parser.add_argument("--relay-link", choices=["1gbit", "100mbit"], default="1gbit",
                         help="relay: the rate of the registry uplink and of every worker's link")
-    parser.add_argument("--relay-modes", nargs="*", choices=["direct", "relay", "relay-kill"],
+    parser.add_argument("--relay-modes", nargs="*", choices=["direct", "relay", "relay-cold", "relay-kill"],
                         help="relay: run only these (default all)")
     parser.add_argument("--profile-worker", type=int, help="relay: cProfile this worker in the relay run")
     parser.add_argument("--rtt-ms", type=float, default=0.0,

@@ -23,6 +23,11 @@ once per worker. With a Relay on its client (`client.downloader.relay = Relay(..
    between requests (HTTP/1.1 keep-alive, up to `idle_connections` idle per peer), so the next
    version's stream does not pay a new TCP handshake; one the peer closed while idle is replaced,
    and a request that meets a connection closed just as it went out is sent once more on a new one.
+4. keeps its place in that order between versions (`keep_place`: the registry forgets a worker
+   that has not announced for its TTL) and, if it starts from weights of its own, takes a place
+   before the first version (`warm_up`: the first pieces of the newest snapshot, fetched through
+   the pipeline as a new worker would fetch all of it), so the first patch runs on connections
+   whose windows are already open.
 
 Weights still change only after every byte is verified against the registry's hashes, so a peer
 can cost time, never correctness. Peers serve anonymously: they hand out only what a plan from
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import re
 import socket
 import ssl
@@ -47,7 +53,8 @@ import httpx
 from pydantic import BaseModel, Field
 
 from shared.registry.download import Downloader, _Download
-from shared.registry.errors import RegistryHTTPError
+from shared.registry.errors import CorruptObjectError, RegistryHTTPError
+from shared.registry.wire import Plan
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +63,10 @@ MAX_ANNOUNCED_OBJECTS = 64  # a worker keeps a few versions' objects; more is no
 # How often a worker re-announces what it holds between downloads (`Relay.keep_place`): well under
 # the registry's peer_ttl_s (60 s), after which it forgets the worker and its place in the order.
 ANNOUNCE_EVERY_S = 20.0
+# How much of the newest snapshot a worker that starts from weights of its own reads through the
+# relay before its first version (`Relay.warm_up`): enough for a stream's window to grow to rate ×
+# RTT (12.5 MB at 1 Gbit/s and 100 ms) on the connections the first patch's pipeline then uses.
+WARM_UP_BYTES = 32 << 20
 
 
 # --- wire types --------------------------------------------------------------------------------
@@ -136,7 +147,8 @@ def relay_endpoint(holdings: Holdings, wait_s: float = 5.0) -> Any:
     """GET RELAY_PATH?key=&first=&last=: pieces first..last-1 (last defaults to first + 1) as one
     stream, their bytes sent as they land here (cut-through); it ends early when no byte more
     comes within wait_s. 404 if the object, or a byte of its first piece within wait_s, is not
-    held here; 416 for a range outside the object; 422 for a malformed one."""
+    held here; 416 for a first piece outside what is held (a range running past it gets the part held);
+    422 for a malformed one."""
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -148,8 +160,12 @@ def relay_endpoint(holdings: Holdings, wait_s: float = 5.0) -> Any:
         except ValueError:
             return JSONResponse({"detail": "first and last must be integers"}, status_code=422)
         download = holdings.find(run, key)
-        if download is not None and not 0 <= first < last <= len(download.done):
-            return JSONResponse({"detail": f"{key} has {len(download.done)} pieces"}, status_code=416)
+        if download is not None and not (0 <= first < len(download.done) and first < last):
+            return JSONResponse({"detail": f"{key} has {len(download.done)} pieces here"}, status_code=416)
+        if download is not None:
+            # Only a prefix of the object may be held here (`Relay.warm_up`): serve that part; the
+            # asker takes the rest from its next peer or the registry.
+            last = min(last, len(download.done))
         if download is None or not await download.wait_bytes(first, 0, wait_s):
             return JSONResponse({"detail": f"piece {first} of {key!r} is not held here"}, status_code=404)
         return StreamingResponse(holdings.stream(download, first, last, wait_s),
@@ -555,6 +571,39 @@ class Relay:
             self._announce_failing = True
             return False
         self._announce_failing = False
+        return True
+
+    async def warm_up(self, downloader: Downloader, plan: Plan, nbytes: int = WARM_UP_BYTES) -> bool:
+        """Before the first version, take a place in the pipeline on warm connections: fetch the
+        first `nbytes` of the snapshot in `plan` (a new worker's, `client.plan(None)`: what it would
+        fetch whole) through the relay as any download, and keep serving them.
+
+        A worker that starts from weights of its own would otherwise meet the first version on new
+        connections everywhere: the head's to the registry and each hop's to its predecessor start
+        from TCP's initial windows, which at 100 ms RTT cost the first version seconds (docs/
+        registry.md, "A warm first version"). The prefix moves along the same pipeline, so its
+        connections and its order (the registry ranks workers by first announcement, and holders
+        of the base version's snapshot are waited for) are those of the next patch. Costs the
+        registry `nbytes` once per run start. Only a worker with no place yet warms up (one that
+        fetched anything took its place then). Returns whether it did; a failure is logged and
+        leaves nothing to undo."""
+        snapshot = next((step.object for step in plan.steps if step.kind == "snapshot"), None)
+        if self._announced_at is not None or nbytes <= 0 or snapshot is None or not snapshot.pieces:
+            return False
+        pieces = min(len(snapshot.pieces), -(-nbytes // snapshot.piece_bytes))
+        prefix = snapshot.model_copy(update={"pieces": snapshot.pieces[:pieces],
+                                             "size": min(snapshot.size, pieces * snapshot.piece_bytes)})
+        download = _Download(prefix, mmap.mmap(-1, max(1, prefix.size)), [False] * pieces)
+        began = time.monotonic()
+        try:
+            await self.fetch(downloader, [download])
+        except (httpx.HTTPError, RegistryHTTPError, OSError, CorruptObjectError) as exc:
+            log.warning("relay warm-up on %s failed (%s); the first version comes on new connections",
+                        snapshot.key, exc)
+            return False
+        source = (self.stats.peers.get(snapshot.key) or ["the registry"])[0]
+        log.info("relay warm-up: %d bytes of %s from %s in %.2fs", prefix.size, snapshot.key, source,
+                 time.monotonic() - began)
         return True
 
     async def fetch(self, downloader: Downloader, downloads: list[_Download]) -> None:

@@ -184,7 +184,7 @@ class RolloutService:
         core = self.core
         if client is not None:
             self.sync = WeightSync(core, client, poll_s=settings.sync.poll_s, registry=self.registry_outage,
-                                   liveness=self.liveness)
+                                   liveness=self.liveness, warm_up_bytes=settings.sync.warm_up_mb << 20)
             task = asyncio.create_task(self.sync.run(stop))
             self.liveness.watch(SYNC_LOOP, task, settings.stall_s, progress=lambda: client.counters.bytes)
             tasks.append(task)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from shared.coord import CoordSettings
 from shared.dtypes import ModelDtype
 from shared.kv import KVSettings
+from shared.relay import WARM_UP_BYTES
 from shared.sampling import FLAT_SAMPLING_NAMES, SamplingSettings
 from shared.settings import ModelServiceSettings
 
@@ -42,6 +43,11 @@ class SyncSettings(BaseModel):
     # Relay fan-out (shared.relay): serve what it fetches to peers at advertise_url (bytes as they
     # land; every receiver verifies) and fetch from peers first; announcing needs registry_token.
     relay: bool = False
+    # A relaying worker that starts from weights of its own reads this much of the newest snapshot
+    # through the relay before the first version, so that version's pipeline runs on connections
+    # whose windows are open (shared.relay.Relay.warm_up). 0: off.
+    warm_up_mb: int = Field(default=WARM_UP_BYTES >> 20, ge=0, le=4096,
+                            description="relay: MiB of the newest snapshot read at start")
 
 
 class RolloutSettings(ModelServiceSettings):

@@ -33,7 +33,7 @@ from shared.registry.client import RegistryClient
 from shared.registry.errors import RegistryHTTPError
 from shared.registry.sync import WeightTarget, sync_weights
 from shared.registry.wire import Manifest
-from shared.relay import Relay
+from shared.relay import WARM_UP_BYTES, Relay
 from shared.retry import Outage, transient
 
 log = logging.getLogger(__name__)
@@ -100,10 +100,12 @@ class EngineWeights(WeightTarget):
 
 class WeightSync:
     def __init__(self, core: RolloutCore, client: RegistryClient, poll_s: float = 2.0, *,
-                 registry: Outage | None = None, liveness: Liveness | None = None) -> None:
+                 registry: Outage | None = None, liveness: Liveness | None = None,
+                 warm_up_bytes: int = WARM_UP_BYTES) -> None:
         self.core = core
         self.client = client
         self.poll_s = poll_s
+        self.warm_up_bytes = warm_up_bytes  # relaying workers only (warm_up); 0: off
         self.registry = registry or Outage("registry", log)
         self.liveness = liveness or Liveness()
         self.syncs = 0
@@ -125,6 +127,9 @@ class WeightSync:
         # A relaying worker re-announces its holdings between versions to keep its place in the
         # pipeline's order (shared.relay.Relay.keep_place), so it wakes at least that often.
         wait_s = min(VERSION_WAIT_S, relay.announce_every_s) if isinstance(relay, Relay) else VERSION_WAIT_S
+        if isinstance(relay, Relay) and self.warm_up_bytes:
+            self.liveness.beat(LOOP)
+            await _unless_stopped(self.warm_up(relay), stop)
         while not stop.is_set():
             self.liveness.beat(LOOP)
             if self.core.weights.kv_budget_of != self.core.weights.version:
@@ -151,6 +156,17 @@ class WeightSync:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=backoff)
                 backoff = min(backoff * 2, 30.0)
+
+    async def warm_up(self, relay: Relay) -> bool:
+        """A worker that starts from weights of its own takes its place in the relay's pipeline
+        before the first version, on the first pieces of the newest snapshot (shared.relay.Relay.
+        warm_up). Skipped without a plan now (the first version then comes on new connections)."""
+        try:
+            plan = await self.client.plan(None)
+        except (RegistryHTTPError, httpx.HTTPError, OSError, ValidationError) as exc:
+            log.warning("relay warm-up skipped: no plan for a new worker (%s)", exc)
+            return False
+        return await relay.warm_up(self.client.downloader, plan, self.warm_up_bytes)
 
     async def sync_to(self, target: int | None = None) -> int:
         """Bring the engine's weights to `target` (None: latest). Returns the version now held."""

@@ -160,6 +160,79 @@ async def test_keeping_a_place_survives_a_registry_that_is_down(
         assert sum("peer announcement failed" in r.getMessage() for r in caplog.records) == 1
 
 
+WARM_UP = 4 * 4096  # bytes: the first 4 pieces of the v0 snapshot
+
+
+async def test_warming_up_forms_the_first_versions_pipeline_on_its_connections(
+    url: str, chain: Chain, peers: ExitStack
+) -> None:
+    """Workers started from their own weights take their places with the first pieces of the v0
+    snapshot, through the relay (the registry sends them once); the first patch then flows through
+    the same pipeline, whatever order its workers ask in, on the connections the warm-up opened."""
+    async with worker(url, "a", peers) as a, worker(url, "b", peers) as b, worker(url, "c", peers) as c:
+        ra, rb, rc = (w.downloader.relay for w in (a, b, c))
+        before = await served(url)
+        for w in (a, b, c):
+            assert await w.downloader.relay.warm_up(w.downloader, await w.plan(None), WARM_UP)
+        assert await served(url) - before == WARM_UP
+        assert (rb.stats.peer_pieces, rc.stats.peer_pieces) == (4, 4)
+        assert rc.stats.peers["snapshots/0.safetensors"] == [rb.url, ra.url]  # nearest first
+        opened = (rb.connections_opened, rc.connections_opened)
+        assert opened == (1, 1)
+
+        async def first_version(w: RegistryClient, delay_s: float) -> dict:
+            await asyncio.sleep(delay_s)
+            state = clone(chain.states[0])
+            await sync_weights(w, state, 0, target=1)
+            return state
+
+        # The tail asks first: the registry waits for its predecessors (they hold v0's snapshot).
+        before = await served(url)
+        states = await asyncio.gather(first_version(c, 0.0), first_version(b, 0.1), first_version(a, 0.2))
+        assert all(same(state, chain.states[1]) for state in states)
+        key = "patches/0-1.patch"
+        assert rb.stats.peers[key][0] == ra.url and rc.stats.peers[key][0] == rb.url
+        assert await served(url) - before == len(chain.patches[1])  # one copy left the registry
+        assert (rb.connections_opened, rc.connections_opened) == opened  # the warm-up's connections
+
+
+async def test_a_new_worker_behind_warmed_up_ones_takes_their_prefix_then_the_registrys_rest(
+    url: str, chain: Chain, peers: ExitStack
+) -> None:
+    async with worker(url, "a", peers) as a, worker(url, "d", peers) as d:
+        ra = a.downloader.relay
+        assert await ra.warm_up(a.downloader, await a.plan(None), WARM_UP)
+        async with httpx.AsyncClient(base_url=ra.url) as http:
+            path = f"/v1/relay/{RUN}/pieces"
+            part = await http.get(path, params={"key": "snapshots/0.safetensors", "first": 2, "last": 99})
+            assert part.status_code == 200 and len(part.content) == 2 * 4096  # what it holds of the range
+            beyond = await http.get(path, params={"key": "snapshots/0.safetensors", "first": 4})
+            assert beyond.status_code == 416
+        state: dict = {}
+        result = await sync_weights(d, state, None)  # a worker with no weights: snapshot, then chain
+        assert result.version == 3 and same(state, chain.states[3])
+        rd = d.downloader.relay
+        assert rd.stats.peer_pieces == 4 and rd.stats.dropped == {"stopped early": 1}
+
+
+async def test_warming_up_is_once_and_never_raises(
+    url: str, chain: Chain, peers: ExitStack, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with worker(url, "e", peers) as e:
+        relay, plan = e.downloader.relay, await e.plan(None)
+        assert not await relay.warm_up(e.downloader, plan, 0)  # off
+        assert not await relay.warm_up(e.downloader, await e.plan(0, 1), WARM_UP)  # no snapshot in it
+        await sync_weights(e, clone(chain.states[0]), 0, target=1)
+        assert not await relay.warm_up(e.downloader, plan, WARM_UP)  # its download took a place
+        assert relay.holdings.keys(RUN) == ["patches/0-1.patch"]
+    async with worker(f"http://127.0.0.1:{free_port()}", "f", peers) as f:  # the registry is gone
+        f.downloader.transport.retries = 0
+        with caplog.at_level(logging.WARNING, logger="shared.relay"):
+            assert not await f.downloader.relay.warm_up(f.downloader, plan, WARM_UP)
+        assert any("relay warm-up on snapshots/0.safetensors failed" in r.getMessage()
+                   for r in caplog.records)
+
+
 async def test_a_lying_peer_is_dropped_and_the_registry_serves(
     url: str, chain: Chain, peers: ExitStack
 ) -> None:
@@ -276,8 +349,10 @@ async def test_a_stream_sends_each_piece_as_it_is_verified_and_ends_at_a_missing
     assert holdings.served_pieces == 3
     async with httpx.AsyncClient() as http:
         url = f"{peer}/v1/relay/{RUN}/pieces"
-        outside = {"key": "patches/0-1.patch", "first": 2, "last": 9}
-        assert (await http.get(url, params=outside)).status_code == 416
+        assert (await http.get(url, params={"key": "patches/0-1.patch", "first": 4})).status_code == 416
+        # A range running past the object: what it holds of it (a holder of a prefix answers so).
+        past = await http.get(url, params={"key": "patches/0-1.patch", "first": 2, "last": 9})
+        assert past.status_code == 200 and past.content == data[2 * 4096 : 3 * 4096]
         assert (await http.get(url, params={"key": "patches/0-1.patch", "first": 3})).status_code == 404
         assert (await http.get(url, params={"key": "other", "first": 0})).status_code == 404
 

@@ -1,5 +1,6 @@
-"""A relaying rollout worker keeps its place in the registry's peer order between versions
-(shared.relay.Relay.keep_place, called by the weight sync's loop): real registry over HTTP."""
+"""A relaying rollout worker takes its place in the registry's peer order before the first version
+(shared.relay.Relay.warm_up) and keeps it between versions (Relay.keep_place), both called by the
+weight sync's loop: real registry over HTTP."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -59,3 +61,40 @@ async def test_the_sync_loop_keeps_a_relaying_worker_listed_past_the_registrys_t
                 stop.set()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(loop, timeout=10)
+
+
+@pytest.mark.parametrize("warm_up_bytes", [4096, 0])
+async def test_the_sync_loop_warms_a_relaying_worker_up_before_the_first_version(
+    tmp_path: Path, tiny_model_dir: str, warm_up_bytes: int
+) -> None:
+    """Started from its own weights, a relaying worker takes its place with the first pieces of the
+    newest snapshot as its sync loop starts (shared.relay.Relay.warm_up): listed to a new worker
+    for them before any patch exists. Off (0), it has no place until its first download."""
+    state = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
+    registry = RegistrySettings(store_url=f"file://{tmp_path}/store", api_token=TOKEN, snapshot_every=0,
+                                piece_bytes=1024)
+    with serve_app(create_registry(registry)) as url:
+        async with RegistryClient(url, RUN, token=TOKEN) as client:
+            await client.publish_snapshot(0, save_snapshot(state, run=RUN, version=0))
+            settings = RolloutSettings(model=tiny_model_dir, device="cpu", registry_url=url, run=RUN,
+                                       worker_id="w1", data_dir=str(tmp_path / "rollout"))
+            core = RolloutCore.from_model_dir(settings, Path(tiny_model_dir), version=0)
+            relay = Relay("w1", "http://127.0.0.1:9", Holdings())
+            client.downloader.relay = relay
+            sync = WeightSync(core, client, poll_s=0.1, warm_up_bytes=warm_up_bytes)
+            stop = asyncio.Event()
+            loop = asyncio.create_task(sync.run(stop))
+            try:
+                await asyncio.sleep(1.0)
+                async with httpx.AsyncClient() as http:
+                    plan = (await http.get(f"{url}/v1/runs/{RUN}/plan", params={"peer": "w2"})).json()
+            finally:
+                stop.set()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(loop, timeout=10)
+    listed = plan["peers"].get("snapshots/0.safetensors", [])
+    if warm_up_bytes:
+        assert listed == ["http://127.0.0.1:9"]
+        assert [len(relay.holdings.find(RUN, key).done) for key in relay.holdings.keys(RUN)] == [4]
+    else:
+        assert listed == [] and relay.holdings.keys(RUN) == []
