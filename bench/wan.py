@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.netns import Link, Net, every_pair_rtt
+from bench.wan_relay import MODES as RELAY_MODES
 from bench.wan_stack import GBIT, MBIT, REDIS_PORT, REGISTRY_PORT, ROOT, RUN, TOKEN, Stack, barrier
 
 PROFILE_FILE = "bench/results/engine-cuda-1.7b-gen8192-h100.json"
@@ -482,7 +483,7 @@ def main() -> None:
     parser.add_argument("--relay", action="store_true", help="the relay fan-out measurement only")
     parser.add_argument("--relay-link", choices=["1gbit", "100mbit"], default="1gbit",
                         help="relay: the rate of the registry uplink and of every worker's link")
-    parser.add_argument("--relay-modes", nargs="*", choices=["direct", "relay", "relay-cold", "relay-kill"],
+    parser.add_argument("--relay-modes", nargs="*", choices=RELAY_MODES,
                         help="relay: run only these (default all)")
     parser.add_argument("--profile-worker", type=int, help="relay: cProfile this worker in the relay run")
     parser.add_argument("--rtt-ms", type=float, default=0.0,

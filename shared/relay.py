@@ -67,6 +67,9 @@ ANNOUNCE_EVERY_S = 20.0
 # relay before its first version (`Relay.warm_up`): enough for a stream's window to grow to rate ×
 # RTT (12.5 MB at 1 Gbit/s and 100 ms) on the connections the first patch's pipeline then uses.
 WARM_UP_BYTES = 32 << 20
+# What a failed announcement raises (`Relay.announce`): HTTP and socket errors, and ValueError for
+# an answer that is no peer list. Its callers fall back or retry; none of these may end their loop.
+ANNOUNCE_ERRORS = (httpx.HTTPError, RegistryHTTPError, OSError, ValueError)
 
 
 # --- wire types --------------------------------------------------------------------------------
@@ -160,9 +163,10 @@ def relay_endpoint(holdings: Holdings, wait_s: float = 5.0) -> Any:
         except ValueError:
             return JSONResponse({"detail": "first and last must be integers"}, status_code=422)
         download = holdings.find(run, key)
-        if download is not None and not (0 <= first < len(download.done) and first < last):
-            return JSONResponse({"detail": f"{key} has {len(download.done)} pieces here"}, status_code=416)
         if download is not None:
+            if not (0 <= first < len(download.done) and first < last):
+                detail = f"{key} has {len(download.done)} pieces here"
+                return JSONResponse({"detail": detail}, status_code=416)
             # Only a prefix of the object may be held here (`Relay.warm_up`): serve that part; the
             # asker takes the rest from its next peer or the registry.
             last = min(last, len(download.done))
@@ -564,8 +568,7 @@ class Relay:
             return False
         try:
             await self.announce(downloader)
-        # ValueError: an answer that is no peer list; nothing here may end the caller's loop
-        except (httpx.HTTPError, RegistryHTTPError, OSError, ValueError) as exc:
+        except ANNOUNCE_ERRORS as exc:
             if not self._announce_failing:
                 log.warning("peer announcement failed (%s); trying again at each round", exc)
             self._announce_failing = True
@@ -613,7 +616,7 @@ class Relay:
             self.holdings.add(downloader.transport.run, download)
         try:
             peers = await self.announce(downloader)
-        except (httpx.HTTPError, RegistryHTTPError) as exc:
+        except ANNOUNCE_ERRORS as exc:
             log.warning("peer announcement failed (%s); fetching from the registry", exc)
             peers = {}
         self.stats.peers = {d.ref.key: list(peers.get(d.ref.key, [])) for d in downloads}

@@ -233,6 +233,35 @@ async def test_warming_up_is_once_and_never_raises(
                    for r in caplog.records)
 
 
+async def test_a_garbled_peer_list_costs_the_relay_not_the_download(
+    tmp_path: Path, chain: Chain, peers: ExitStack, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A registry whose answer to an announcement is no peer list: downloads (a warm-up among them)
+    come from the registry instead, as when the announcement fails outright."""
+    from starlette.responses import JSONResponse
+
+    settings = RegistrySettings(store_url=f"file://{tmp_path}/store", api_token=TOKEN, piece_bytes=4096,
+                                snapshot_every=0, plan_lease_s=0)
+    app = create_app(settings)
+
+    async def garbling(scope: dict, receive: object, send: object) -> None:
+        if scope["type"] == "http" and scope["method"] == "PUT" and "/peers/" in scope["path"]:
+            await JSONResponse({"peers": "garbled"})(scope, receive, send)
+            return
+        await app(scope, receive, send)
+
+    with serve_app(garbling) as base:
+        await publish(base, chain)
+        async with worker(base, "g", peers) as g:
+            relay = g.downloader.relay
+            with caplog.at_level(logging.WARNING, logger="shared.relay"):
+                assert await relay.warm_up(g.downloader, await g.plan(None), WARM_UP)
+                state = clone(chain.states[0])
+                assert (await sync_weights(g, state, 0, target=1)).version == 1
+            assert same(state, chain.states[1]) and relay.stats.peer_pieces == 0
+            assert sum("peer announcement failed" in r.getMessage() for r in caplog.records) == 2
+
+
 async def test_a_lying_peer_is_dropped_and_the_registry_serves(
     url: str, chain: Chain, peers: ExitStack
 ) -> None:
