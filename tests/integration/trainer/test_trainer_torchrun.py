@@ -126,7 +126,10 @@ def test_trainer_service_under_torchrun(
             "SPARSECAST_MICRO_BATCH": "2",
             "SPARSECAST_MAX_STEPS": str(STEPS),
             "SPARSECAST_CHECKPOINT_EVERY": "2",
-            "SPARSECAST_COLLECT_TIMEOUT_S": "5",
+            # Far beyond the test's timings: every step waits for its two groups. A short timeout
+            # lets a slow machine step on whatever arrived first (one group), so the trainer would
+            # reach v3 with groups left unanswered.
+            "SPARSECAST_COLLECT_TIMEOUT_S": "600",
             "OMP_NUM_THREADS": "1",
         }
         log = (tmp_path / "torchrun.log").open("w")
