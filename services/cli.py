@@ -262,6 +262,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     if args.kv_min and args.kv_max and args.kv_min > args.kv_max:
         raise UsageError(f"--kv-min {args.kv_min} is above --kv-max {args.kv_max}")
+    if args.kv_min_saved == 1:
+        raise UsageError("--kv-min-saved must be below 1 (a cache saves less than all of the KV)")
     given = dict(
         steps=args.steps, workers=args.workers, kv_policy=args.kv_policy, kv_budget=args.kv_budget,
         groups_per_step=args.groups, samples_per_prompt=args.samples, keep_running=args.keep_running,
@@ -269,7 +271,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         device=args.device,
         kv_buffer=args.kv_buffer, kv_keep_prompt=args.kv_keep_prompt, kv_calibrate=args.kv_calibrate,
         digits=args.digits, seed=args.seed, kv_adaptive=args.kv_adaptive, kv_target=args.kv_target,
-        kv_min=args.kv_min, kv_max=args.kv_max, recompute=args.recompute,
+        kv_min=args.kv_min, kv_max=args.kv_max, kv_min_saved=args.kv_min_saved, recompute=args.recompute,
         report=Path(args.report) if args.report else None,
     )
     # Options left out take DemoOptions' defaults: they are defined there once.
@@ -378,6 +380,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"smallest adaptive KV budget (default {kv_defaults.min_budget})")
     demo.add_argument("--kv-max", type=_positive, metavar="N",
                       help=f"largest adaptive KV budget (default {kv_defaults.max_budget})")
+    demo.add_argument("--kv-min-saved", type=_share, metavar="SHARE",
+                      help="floor on the share of KV the adaptive budget saves: it never raises the "
+                           "budget past it and lowers it when under it (e.g. 0.4; default "
+                           f"{kv_defaults.min_saved or 'none'})")
     demo.add_argument("--recompute", choices=["dense", "replayed"],
                       help="how the trainer recomputes log-probs: with a dense cache (Sparse-RL's "
                            "correction) or under the workers' replayed eviction "

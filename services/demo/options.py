@@ -53,6 +53,9 @@ class DemoOptions:
     kv_target: float | None = None
     kv_min: int | None = None
     kv_max: int | None = None
+    # The controller's floor on the KV saved (KVControlSettings.min_saved): no raise past it, and
+    # down when under it. None: the trainer's default (no floor).
+    kv_min_saved: float | None = None
     # How the trainer recomputes log-probs (LossConfig.recompute): "replayed" under the workers'
     # eviction, replayed by the engine, or "dense" (Sparse-RL's ξ correction). Replayed for the demo:
     # with a dense recompute the warm start of a machine whose arithmetic leaves it at 0 % under this

@@ -29,6 +29,14 @@ The rule (`KVBudgetController.update`):
    token); a move in the same direction doubles it back (up to `step`). When the target falls
    between two budgets `step` apart, the budget then settles between them instead of swinging
    from one to the other at every version (seen on a GPU: 56 ↔ 64 for 100 steps with step 8).
+5. **A floor on the KV saved** (`min_saved`, off by default). The share of KV the sampler saved
+   at the current budget (1 − Σ peak cache / Σ sequence length, smoothed as the signal) comes first:
+   below the floor the budget goes down whatever the mismatch says, and a raise is cut to the tokens
+   that keep it, at most `(saved − min_saved) / saved_per_token` where `saved_per_token` (the
+   compressed sequences over all tokens) bounds what one more token of budget can cost: a sequence's
+   peak grows by at most the raise, and only if the cache was compressing it. A cell whose mismatch
+   at its start budget sits inside the band would otherwise hold a budget that saves too little (a
+   GPU cell held 30-36 tokens at 38 % saved).
 
 Mode "fixed" never moves: the trainer publishes `start_budget` (None: nothing, workers keep their
 own budget, the behaviour before this controller). In "adaptive" mode with no `start_budget` the
@@ -72,6 +80,8 @@ class KVControlSettings(BaseModel):
     max_budget: int = Field(default=512, ge=1)
     start_budget: int | None = Field(default=None, ge=1, description="None: the workers' own budget")
     step: int = Field(default=4, ge=1, description="tokens per move")
+    # The least share of KV saved the controller keeps (rule 5); None: no floor, the bounds only.
+    min_saved: float | None = Field(default=None, gt=0, lt=1)
 
     @model_validator(mode="after")
     def _bounds(self) -> KVControlSettings:
@@ -86,12 +96,15 @@ class KVControlSettings(BaseModel):
 @dataclass(frozen=True)
 class Evidence:
     """One sampling version's share of a step: its sequences, the budget they were all sampled at
-    (None: mixed or dense) and the metric over them."""
+    (None: mixed or dense), the metric over them, and the KV they saved (`kv_saved`, with
+    `saved_per_token` the most one more token of budget could cost it; None: not reported)."""
 
     version: int
     budget: int | None
     sequences: int
     value: float
+    saved: float | None = None
+    saved_per_token: float | None = None
 
 
 def signal_key(metric: Metric, dense_mismatch: bool) -> str:
@@ -116,8 +129,11 @@ def evidence_from_step(trajectories: Sequence[Trajectory], metrics: Mapping[str,
         value = figures.get(key)
         if value is None:
             continue
+        saved, per_token = figures.get("kv_saved"), figures.get("kv_saved_per_token")
         cells.append(Evidence(version=sampled_at, budget=next(iter(seen)) if len(seen) == 1 else None,
-                              sequences=int(figures.get("sequences", 0)), value=float(value)))
+                              sequences=int(figures.get("sequences", 0)), value=float(value),
+                              saved=None if saved is None else float(saved),
+                              saved_per_token=None if per_token is None else float(per_token)))
     return cells
 
 
@@ -129,6 +145,8 @@ class KVBudgetController:
         self.budget: int | None = settings.start_budget  # in force: published with the last version
         self.since: int = 0  # the first version published with `budget`
         self.signal: float | None = None  # smoothed metric at `budget` since the last move
+        self.saved: float | None = None  # smoothed KV saved at `budget` (rule 5), as the signal
+        self.saved_per_token: float | None = None
         self.evidence = 0  # sequences at `budget` behind `signal`
         self.moves = 0
         self.step = settings.step  # tokens of the next move (rule 4)
@@ -145,6 +163,7 @@ class KVBudgetController:
         if budget != self.budget:
             self.moves += self.budget is not None
             self.budget, self.since, self.signal, self.evidence = budget, version, None, 0
+            self.saved = self.saved_per_token = None
 
     def update(self, cells: Iterable[Evidence], next_version: int) -> dict[str, Any]:
         """Take one step's evidence; return the report for the version about to be published
@@ -162,11 +181,12 @@ class KVBudgetController:
                     if self.budget != own:  # clamped: the evidence was sampled at another budget
                         self.since = next_version
             self._observe(cells)
-        signal, evidence = self.signal, self.evidence  # what the decision saw (a move resets them)
+        signal, evidence, saved = self.signal, self.evidence, self.saved  # what the decision saw
         if self.adaptive:
             self._decide(next_version)
         return {"kv_budget": self.budget, "kv_signal": signal, "kv_evidence": evidence,
-                "kv_budget_since": self.since, "kv_step": self.step, "kv_direction": self.direction}
+                "kv_saved_signal": saved, "kv_budget_since": self.since, "kv_step": self.step,
+                "kv_direction": self.direction}
 
     def _observe(self, cells: list[Evidence]) -> None:
         total = sum(c.sequences for c in cells)
@@ -175,27 +195,50 @@ class KVBudgetController:
         counted = sum(c.sequences for c in current)
         if not counted:
             return
-        observed = sum(c.value * c.sequences for c in current) / counted
         weight = self.settings.smoothing * counted / total
-        self.signal = observed if self.signal is None else (1 - weight) * self.signal + weight * observed
+
+        def smooth(old: float | None, values: list[tuple[float, int]]) -> float | None:
+            if not values:
+                return old
+            observed = sum(v * n for v, n in values) / sum(n for _, n in values)
+            return observed if old is None else (1 - weight) * old + weight * observed
+
+        self.signal = smooth(self.signal, [(c.value, c.sequences) for c in current])
+        self.saved = smooth(self.saved, [(c.saved, c.sequences) for c in current if c.saved is not None])
+        self.saved_per_token = smooth(self.saved_per_token, [
+            (c.saved_per_token, c.sequences) for c in current if c.saved_per_token is not None])
         self.evidence += counted
 
     def _decide(self, next_version: int) -> None:
         s = self.settings
         if self.budget is None or self.signal is None or self.evidence < s.min_sequences:
             return
-        if self.signal > s.target * (1 + s.deadband):
-            direction = 1
-        elif self.signal < s.target * (1 - s.deadband):
+        under_floor = s.min_saved is not None and self.saved is not None and self.saved < s.min_saved
+        if under_floor or self.signal < s.target * (1 - s.deadband):
             direction = -1
+        elif self.signal > s.target * (1 + s.deadband):
+            direction = 1
         else:
             return
+        step = self.step
         if self.direction:
-            self.step = max(1, self.step // 2) if direction != self.direction else min(s.step, self.step * 2)
-        budget = self._clamp(self.budget + direction * self.step)
+            step = max(1, step // 2) if direction != self.direction else min(s.step, step * 2)
+        tokens = step if direction < 0 else min(step, self._room())
+        if tokens < 1:  # the floor allows no raise: hold, the step as it was
+            return
+        self.step = step
+        budget = self._clamp(self.budget + direction * tokens)
         if budget != self.budget:
             self.direction = direction
         self._move(budget, next_version)
+
+    def _room(self) -> int:
+        """Tokens of budget a raise may add and keep `min_saved` (rule 5); unbounded without a floor
+        or without compressed sequences (a raise then saves as much as before)."""
+        floor, saved, per_token = self.settings.min_saved, self.saved, self.saved_per_token
+        if floor is None or saved is None or not per_token:
+            return self.settings.max_budget
+        return int((saved - floor) / per_token + 1e-9)
 
     def resume(self, budget: int | None, metrics: Mapping[str, Any], version: int) -> None:
         """Continue from what was published last (the head manifest, `version`): its budget and,
@@ -214,17 +257,23 @@ class KVBudgetController:
             self.since = since
             self.signal = float(signal) if isinstance(signal, int | float) else None
             self.evidence = evidence if isinstance(evidence, int) else 0
+            saved = metrics.get("kv_saved_signal")
+            self.saved = float(saved) if isinstance(saved, int | float) else None
         else:  # moved with this version, or figures that do not describe its budget
-            self.since, self.signal, self.evidence = version, None, 0
+            self.since, self.signal, self.evidence, self.saved = version, None, 0, None
+        self.saved_per_token = None  # not published: the next step's evidence sets it
 
     def state(self) -> dict[str, Any]:
         """The whole state, for a checkpoint (`load_state`) and the trainer's status."""
         return {"kv_budget": self.budget, "kv_budget_since": self.since, "kv_signal": self.signal,
                 "kv_evidence": self.evidence, "kv_moves": self.moves, "kv_step": self.step,
-                "kv_direction": self.direction}
+                "kv_direction": self.direction, "kv_saved_signal": self.saved,
+                "kv_saved_per_token": self.saved_per_token}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         self.budget, self.since = state["kv_budget"], state["kv_budget_since"]
         self.signal, self.evidence, self.moves = state["kv_signal"], state["kv_evidence"], state["kv_moves"]
         # Checkpoints from before rule 4 start from a full step.
         self.step, self.direction = state.get("kv_step", self.settings.step), state.get("kv_direction", 0)
+        # ...and from before rule 5 without the KV saved: the next step's evidence sets it.
+        self.saved, self.saved_per_token = state.get("kv_saved_signal"), state.get("kv_saved_per_token")

@@ -404,6 +404,7 @@ class Learner:
 
             old = figures(logp_old)
             out[str(lag)] = {k: old[k] for k in _BY_STALENESS} | {"sequences": int(rows.numel())}
+            out[str(lag)] |= _kv_saved(batch, rows)
             if logp_dense is not None:
                 dense = old if logp_dense is logp_old else figures(logp_dense)
                 out[str(lag)] |= {f"dense_{k}": dense[k] for k in DENSE_MISMATCH}
@@ -529,3 +530,16 @@ def _extract(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], base_fp
              run: str, base_version: int, target_version: int, *, encoding: Encoding = "zstd") -> bytes:
     return extract_patch(old, new, run=run, base_version=base_version, target_version=target_version,
                          base_fingerprint=base_fp, target_fingerprint=target_fp, encoding=encoding)
+
+
+def _kv_saved(batch: TrainBatch, rows: torch.Tensor) -> dict[str, float]:
+    """KV the samplers of `rows` saved against a dense cache (`kv_saved`), and the most one more
+    token of budget could cost it (`kv_saved_per_token`: a sequence's peak grows by at most one
+    token, and only if its cache evicted): the adaptive budget's floor (kv_budget, rule 5). Empty
+    when the samplers reported no cache."""
+    peak = batch.kv_peak_tokens[rows.to(batch.kv_peak_tokens.device)]
+    if not peak.sum() > 0:
+        return {}
+    tokens = batch.attention_mask[rows].sum().float().item()
+    compressed = (batch.kv_evicted[rows.to(batch.kv_evicted.device)] > 0).sum().item()
+    return {"kv_saved": 1 - peak.sum().item() / tokens, "kv_saved_per_token": compressed / tokens}

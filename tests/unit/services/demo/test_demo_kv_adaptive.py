@@ -53,11 +53,14 @@ def test_no_kv_adaptive_keeps_the_trainer_fixed(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_the_options_reach_the_trainer(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    options = _options(monkeypatch, "--kv-adaptive", "--kv-target", "0.4", "--kv-min", "24", "--kv-max", "48")
-    assert (options.kv_adaptive, options.kv_target, options.kv_min, options.kv_max) == (True, 0.4, 24, 48)
+    options = _options(monkeypatch, "--kv-adaptive", "--kv-target", "0.4", "--kv-min", "24", "--kv-max", "48",
+                       "--kv-min-saved", "0.4")
+    assert (options.kv_adaptive, options.kv_target, options.kv_min, options.kv_max, options.kv_min_saved) == (
+        True, 0.4, 24, 48, 0.4)
     kv = _trainer_settings(monkeypatch, options, tmp_path).kv_control
-    assert (kv.mode, kv.target, kv.min_budget, kv.max_budget, kv.start_budget) == (
-        "adaptive", 0.4, 24, 48, 32)
+    assert (kv.mode, kv.target, kv.min_budget, kv.max_budget, kv.start_budget, kv.min_saved) == (
+        "adaptive", 0.4, 24, 48, 32, 0.4)
+    assert cli.main(["demo", "--kv-min-saved", "1"]) == cli.EXIT_USAGE  # a cache saves less than all
     # A start outside the bounds given starts at the nearest bound (the trainer would refuse it).
     above = _trainer_settings(monkeypatch, DemoOptions(kv_adaptive=True, kv_min=40), tmp_path).kv_control
     assert (above.start_budget, above.min_budget) == (40, 40)

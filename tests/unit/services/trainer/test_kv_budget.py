@@ -16,8 +16,10 @@ def _controller(**overrides) -> KVBudgetController:
     return KVBudgetController(KVControlSettings(**values))
 
 
-def _at(budget: int | None, value: float, version: int = 0, sequences: int = 100) -> list[Evidence]:
-    return [Evidence(version=version, budget=budget, sequences=sequences, value=value)]
+def _at(budget: int | None, value: float, version: int = 0, sequences: int = 100,
+        saved: float | None = None, per_token: float | None = None) -> list[Evidence]:
+    return [Evidence(version=version, budget=budget, sequences=sequences, value=value, saved=saved,
+                     saved_per_token=per_token)]
 
 
 def test_raises_the_budget_when_the_signal_is_over_target() -> None:
@@ -179,3 +181,52 @@ def test_a_reversal_halves_the_step_so_the_budget_settles() -> None:
     # Same direction twice: the step stays whole.
     moves = [c2.update(_at(c2.budget, 0.9, version=v), next_version=v + 1)["kv_budget"] for v in range(2)]
     assert moves == [40, 48]
+
+
+def test_the_kv_floor_comes_before_the_mismatch() -> None:
+    """min_saved (rule 5): under the floor the budget goes down even with the mismatch over target; a
+    raise is cut to the tokens that keep the floor, or not made."""
+    c = _controller(min_saved=0.4)
+    # 35 % saved at 32 with the mismatch far over target: down, by the step.
+    report = c.update(_at(32, 0.9, saved=0.35, per_token=0.01), next_version=1)
+    assert (report["kv_budget"], report["kv_saved_signal"]) == (24, 0.35)
+    # Over target at 24 with 46 % saved, one token costing at most 1 %: 6 tokens would keep 40 %, the
+    # step (halved on the reversal) is 4: up by 4. With a step of 16 the raise is cut to 6; then
+    # 40.5 % leaves no room: hold, whatever the signal.
+    c = _controller(min_saved=0.4)
+    assert c.update(_at(32, 0.9, saved=0.35, per_token=0.01), next_version=1)["kv_budget"] == 24
+    assert c.update(_at(24, 0.9, version=1, saved=0.46, per_token=0.01), next_version=2)["kv_budget"] == 28
+    c = _controller(min_saved=0.4, step=16)
+    assert c.update(_at(32, 0.9, saved=0.46, per_token=0.01), next_version=1)["kv_budget"] == 38
+    report = c.update(_at(38, 0.9, version=1, saved=0.405, per_token=0.01), next_version=2)
+    assert (report["kv_budget"], c.step, c.direction) == (38, 16, 1)  # held: the step as it was
+    # Without a floor the same evidence raises by the step; without KV figures the floor cannot act.
+    assert _controller().update(_at(32, 0.9, saved=0.35, per_token=0.01), next_version=1)["kv_budget"] == 40
+    assert _controller(min_saved=0.4).update(_at(32, 0.9), next_version=1)["kv_budget"] == 40
+    # Nothing compressed (a raise changes nothing): no limit from the floor.
+    assert _controller(min_saved=0.4).update(_at(32, 0.9, saved=0.5, per_token=0.0),
+                                             next_version=1)["kv_budget"] == 40
+
+
+def test_the_kv_saved_comes_from_the_step_and_survives_a_restart() -> None:
+    traj = Trajectory(group_id="g", attempt=1, policy_version=3, worker_id="w", task="addition", prompt="p",
+                      samples=[], sampling=SamplingInfo(temperature=1.0, kv_policy="rkv", kv_budget=32))
+    metrics = {"by_staleness": {"0": {"divergent_rate": 0.35, "sequences": 64, "kv_saved": 0.45,
+                                      "kv_saved_per_token": 0.02}}}
+    assert evidence_from_step([traj], metrics, version=3, key="divergent_rate") == [
+        Evidence(3, 32, 64, 0.35, saved=0.45, saved_per_token=0.02)]
+    before = _controller(min_saved=0.4, min_sequences=150)
+    head = before.update(_at(32, 0.3, saved=0.45, per_token=0.02), next_version=1)  # waits: 100 < 150
+    assert head["kv_saved_signal"] == 0.45
+    after = _controller(min_saved=0.4, min_sequences=150)
+    after.resume(head["kv_budget"], head | {"kv_budget_since": 0}, version=1)
+    assert after.saved == 0.45
+    # The smoothed saved share, like the signal: 0.45 then 0.35 at weight 1: under the floor, down.
+    report = after.update(_at(32, 0.3, version=1, saved=0.35, per_token=0.02), next_version=2)
+    assert report["kv_budget"] == 24
+    restored = _controller(min_saved=0.4)
+    restored.load_state(before.state())
+    assert restored.state() == before.state()
+    old = {k: v for k, v in before.state().items() if k not in ("kv_saved_signal", "kv_saved_per_token")}
+    restored.load_state(old)  # a checkpoint from before the floor
+    assert restored.saved is None

@@ -167,7 +167,19 @@ def test_correction_metrics_split_by_staleness(tiny_model_dir: str, tmp_path: Pa
     split = metrics["by_staleness"]
     assert split["0"]["sequences"] == 4 and split["2"]["sequences"] == 8
     assert set(split["0"]) == {"xi_mean", "kl_old_sampler", "rejection_rate", "divergent_rate",
-                               "token_mask_rate", "sequences"}
+                               "token_mask_rate", "sequences", "kv_saved", "kv_saved_per_token"}
+    # The KV each version's samplers saved (the controller's floor, kv_budget rule 5): 1 − peak / tokens,
+    # and every sequence here evicted, so one more token of budget costs at most sequences / tokens.
+    for lag, rows in (("0", trajectories[:1]), ("2", trajectories[1:])):  # lag 0: sampled at v2
+        samples = [s for t in rows for s in t.samples]
+        tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+        peak = sum(s.kv.peak_tokens for s in samples)
+        assert split[lag]["kv_saved"] == pytest.approx(1 - peak / tokens)
+        assert split[lag]["kv_saved_per_token"] == pytest.approx(len(samples) / tokens)
+    dense = [t.model_copy(update={"samples": [s.model_copy(update={"kv": KVStats()}) for s in t.samples]})
+             for t in trajectories]  # samplers that report no cache: no KV figures
+    assert "kv_saved" not in _learner(tiny_model_dir, tmp_path / "d").train_step(
+        dense, version=2)["by_staleness"]["0"]
 
 
 def test_the_patch_encoding_is_a_setting(tiny_model_dir: str, tmp_path: Path) -> None:
