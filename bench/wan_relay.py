@@ -82,7 +82,7 @@ async def _relay_worker(cfg: dict[str, Any]) -> dict[str, Any]:
 
     from shared.registry.client import RegistryClient
     from shared.registry.transport import KEEP_ALIVE_S
-    from shared.relay import Holdings, Relay, peer_listener, relay_app
+    from shared.relay import Holdings, Relay, peer_listener, relay_app, snapshot_in
 
     client = RegistryClient(cfg["url"], RUN, token=TOKEN, streams=4, redis_url=cfg["redis_url"],
                             redis_prefix=cfg["redis_prefix"], backoff_s=0.1)
@@ -107,7 +107,7 @@ async def _relay_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     if relay is not None and cfg["warm_up"]:  # as a rollout service started from its own weights
         started = time.time()
         warmed = await relay.warm_up(client.downloader, plan := await client.plan(None))
-        key = plan.steps[0].object.key
+        key = snapshot.key if (snapshot := snapshot_in(plan)) is not None else None
         warm_up = {"warmed": warmed, "seconds": round(time.time() - started, 3), "key": key,
                    "peers": relay.stats.peers.get(key)}
     freeze_startup_heap()  # as the rollout service does once started (shared.gcheap)

@@ -54,7 +54,7 @@ from pydantic import BaseModel, Field
 
 from shared.registry.download import Downloader, _Download
 from shared.registry.errors import CorruptObjectError, RegistryHTTPError
-from shared.registry.wire import Plan
+from shared.registry.wire import ObjectRef, Plan
 
 log = logging.getLogger(__name__)
 
@@ -590,7 +590,7 @@ class Relay:
         registry `nbytes` once per run start. Only a worker with no place yet warms up (one that
         fetched anything took its place then). Returns whether it did; a failure is logged and
         leaves nothing to undo."""
-        snapshot = next((step.object for step in plan.steps if step.kind == "snapshot"), None)
+        snapshot = snapshot_in(plan)
         if self._announced_at is not None or nbytes <= 0 or snapshot is None or not snapshot.pieces:
             return False
         pieces = min(len(snapshot.pieces), -(-nbytes // snapshot.piece_bytes))
@@ -760,6 +760,12 @@ class Relay:
             raise PeerFailed("unreachable: ConnectError") from exc
         self.connections_opened += 1
         return connection
+
+
+def snapshot_in(plan: Plan) -> ObjectRef | None:
+    """The snapshot a plan starts from (a new worker's plan: the newest snapshot), if it has one:
+    what `Relay.warm_up` reads the first pieces of."""
+    return next((step.object for step in plan.steps if step.kind == "snapshot"), None)
 
 
 def _origin(peer: str) -> str:

@@ -262,7 +262,6 @@ class Learner:
             gain["batch_gain"] = float(moved.sum()) / kept_all
         if logp_ref is not None:
             gain["kl_ref"] = kl_sum / max(kl_tokens, 1.0)  # per kept token, whatever the micro-batching
-        lengths = batch.attention_mask.sum(dim=1).float()
         completion_lengths = mask.sum(dim=1).float()
         return {
             "step": self.step,
@@ -282,8 +281,7 @@ class Learner:
             # sampled tokens (exact in expectation for on-policy samples; ξ ≈ 1 keeps it close).
             "entropy": float(-(logp_old * mask).sum() / mask.sum().clamp(min=1)),
             # KV the samplers kept vs what a dense cache holds at the end of each sequence.
-            "kv_saved": (float(1 - batch.kv_peak_tokens.sum() / lengths.sum())
-                         if batch.kv_peak_tokens.sum() > 0 else 0.0),
+            "kv_saved": _kv_saved(batch).get("kv_saved", 0.0),
             "kv_peak_bytes_mean": float(batch.kv_peak_bytes.mean()),
             "staleness": {str(k): v for k, v in batch.staleness(version).items()},
             "by_staleness": self._by_staleness(batch, version, logp_old, advantages, logp_dense),
@@ -532,14 +530,14 @@ def _extract(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], base_fp
                          base_fingerprint=base_fp, target_fingerprint=target_fp, encoding=encoding)
 
 
-def _kv_saved(batch: TrainBatch, rows: torch.Tensor) -> dict[str, float]:
-    """KV the samplers of `rows` saved against a dense cache (`kv_saved`), and the most one more
-    token of budget could cost it (`kv_saved_per_token`: a sequence's peak grows by at most one
-    token, and only if its cache evicted): the adaptive budget's floor (kv_budget, rule 5). Empty
-    when the samplers reported no cache."""
-    peak = batch.kv_peak_tokens[rows.to(batch.kv_peak_tokens.device)]
+def _kv_saved(batch: TrainBatch, rows: torch.Tensor | slice = slice(None)) -> dict[str, float]:
+    """KV the samplers of `rows` (default all) saved against a dense cache (`kv_saved`), and the
+    most one more token of budget could cost it (`kv_saved_per_token`: a sequence's peak grows by at
+    most one token, and only if its cache evicted): the adaptive budget's floor (kv_budget, rule 5).
+    Empty when the samplers reported no cache."""
+    peak = batch.kv_peak_tokens[rows]
     if not peak.sum() > 0:
         return {}
-    tokens = batch.attention_mask[rows].sum().float().item()
-    compressed = (batch.kv_evicted[rows.to(batch.kv_evicted.device)] > 0).sum().item()
-    return {"kv_saved": 1 - peak.sum().item() / tokens, "kv_saved_per_token": compressed / tokens}
+    tokens = batch.attention_mask[rows].sum(dim=1).float().sum()
+    return {"kv_saved": float(1 - peak.sum() / tokens),
+            "kv_saved_per_token": float((batch.kv_evicted[rows] > 0).sum() / tokens)}
