@@ -262,8 +262,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     if args.kv_min and args.kv_max and args.kv_min > args.kv_max:
         raise UsageError(f"--kv-min {args.kv_min} is above --kv-max {args.kv_max}")
-    if args.kv_min_saved == 1:
-        raise UsageError("--kv-min-saved must be below 1 (a cache saves less than all of the KV)")
     given = dict(
         steps=args.steps, workers=args.workers, kv_policy=args.kv_policy, kv_budget=args.kv_budget,
         groups_per_step=args.groups, samples_per_prompt=args.samples, keep_running=args.keep_running,
@@ -306,6 +304,13 @@ def _share(text: str) -> float:
     value = float(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _floor(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:  # a cache saves less than all of the KV
+        raise argparse.ArgumentTypeError(f"must be in [0, 1) (0: no floor), got {value}")
     return value
 
 
@@ -380,10 +385,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"smallest adaptive KV budget (default {kv_defaults.min_budget})")
     demo.add_argument("--kv-max", type=_positive, metavar="N",
                       help=f"largest adaptive KV budget (default {kv_defaults.max_budget})")
-    demo.add_argument("--kv-min-saved", type=_share, metavar="SHARE",
+    demo.add_argument("--kv-min-saved", type=_floor, metavar="SHARE",
                       help="floor on the share of KV the adaptive budget saves: it never raises the "
-                           "budget past it and lowers it when under it (e.g. 0.4; default "
-                           f"{kv_defaults.min_saved or 'none'})")
+                           "budget past it and lowers it when under it (0: no floor; default "
+                           f"{defaults.kv_min_saved})")
     demo.add_argument("--recompute", choices=["dense", "replayed"],
                       help="how the trainer recomputes log-probs: with a dense cache (Sparse-RL's "
                            "correction) or under the workers' replayed eviction "

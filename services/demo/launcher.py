@@ -292,7 +292,7 @@ class Stack:
         start = max(o.kv_budget, o.kv_min or o.kv_budget)
         start = min(start, o.kv_max or start)
         given = {"MODE": "adaptive", "START_BUDGET": start, "TARGET": o.kv_target, "MIN_BUDGET": o.kv_min,
-                 "MAX_BUDGET": o.kv_max, "MIN_SAVED": o.kv_min_saved}
+                 "MAX_BUDGET": o.kv_max, "MIN_SAVED": o.kv_min_saved or None}
         return {f"SPARSECAST_KV_CONTROL__{k}": str(v) for k, v in given.items() if v is not None}
 
     def start_workers(self) -> None:

@@ -13,6 +13,7 @@ from services import cli
 from services.demo.launcher import Stack
 from services.demo.live import summary
 from services.demo.options import DemoOptions
+from services.trainer.kv_budget import KVControlSettings
 from services.trainer.settings import TrainerSettings
 
 
@@ -41,6 +42,11 @@ def test_on_by_default_from_the_demo_budget_with_the_trainer_defaults(monkeypatc
     assert (kv.mode, kv.start_budget) == ("adaptive", DemoOptions().kv_budget)
     assert (kv.metric, kv.target, kv.min_budget, kv.max_budget) == (
         defaults.metric, defaults.target, defaults.min_budget, defaults.max_budget)
+    # The demo's floor on the KV saved (the trainer has none by default), and 0 for none.
+    assert (kv.min_saved, KVControlSettings().min_saved) == (0.4, None)
+    stack = Stack(_options(monkeypatch, "--kv-min-saved", "0"))
+    assert "SPARSECAST_KV_CONTROL__MIN_SAVED" not in stack.kv_control_env()
+    stack.http.close()
 
 
 def test_no_kv_adaptive_keeps_the_trainer_fixed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -60,7 +66,8 @@ def test_the_options_reach_the_trainer(monkeypatch: pytest.MonkeyPatch, tmp_path
     kv = _trainer_settings(monkeypatch, options, tmp_path).kv_control
     assert (kv.mode, kv.target, kv.min_budget, kv.max_budget, kv.start_budget, kv.min_saved) == (
         "adaptive", 0.4, 24, 48, 32, 0.4)
-    assert cli.main(["demo", "--kv-min-saved", "1"]) == cli.EXIT_USAGE  # a cache saves less than all
+    for bad in ("1", "-0.1", "nan"):  # a cache saves less than all of the KV
+        assert cli.main(["demo", "--kv-min-saved", bad]) == cli.EXIT_USAGE
     # A start outside the bounds given starts at the nearest bound (the trainer would refuse it).
     above = _trainer_settings(monkeypatch, DemoOptions(kv_adaptive=True, kv_min=40), tmp_path).kv_control
     assert (above.start_budget, above.min_budget) == (40, 40)
