@@ -57,6 +57,7 @@ from typing import Any
 
 from bench.netns import Link, Net, every_pair_rtt
 from bench.wan_relay import MODES as RELAY_MODES
+from bench.wan_relay import worker_links
 from bench.wan_stack import GBIT, MBIT, REDIS_PORT, REGISTRY_PORT, ROOT, RUN, TOKEN, Stack, barrier
 
 PROFILE_FILE = "bench/results/engine-cuda-1.7b-gen8192-h100.json"
@@ -484,7 +485,12 @@ def main() -> None:
     parser.add_argument("--relay-link", choices=["1gbit", "100mbit"], default="1gbit",
                         help="relay: the rate of the registry uplink and of every worker's link")
     parser.add_argument("--relay-modes", nargs="*", choices=RELAY_MODES,
-                        help="relay: run only these (default all)")
+                        help="relay: run only these (default all but tree)")
+    parser.add_argument("--slow-workers", type=int, default=0,
+                        help="relay: this many workers (the 2nd on, in the order of first announcement) "
+                             "serve peers at --slow-mbit")
+    parser.add_argument("--slow-mbit", type=float, default=100.0,
+                        help="relay: the uplink of the --slow-workers, Mbit/s")
     parser.add_argument("--profile-worker", type=int, help="relay: cProfile this worker in the relay run")
     parser.add_argument("--rtt-ms", type=float, default=0.0,
                         help="round trip between every pair of endpoints, half on each link (a delay line; "
@@ -500,6 +506,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path,
                         help="default bench/results/wan-cpu[-rtt<R>ms][-tcp<N>mb][-noidle].json")
     args = parser.parse_args()
+    try:  # before any namespace is made
+        worker_links(GBIT, args.slow_workers, args.slow_mbit * MBIT)
+    except ValueError as exc:
+        parser.error(str(exc))
     rtt_tag = f"-rtt{args.rtt_ms:g}ms" if args.rtt_ms else ""
     rtt_tag += (f"-tcp{args.tcp_buffer_mb}mb" if args.tcp_buffer_mb else "") + (
         "-noidle" if args.no_idle_restart else "")

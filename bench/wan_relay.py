@@ -13,7 +13,13 @@ link-bound). In `relay` the workers first warm up (shared.relay.Relay.warm_up, a
 started from their own weights do: the first pieces of the v0 snapshot through the pipeline);
 `relay-cold` is the same without it, what the first version costs on new connections. A last run,
 `relay-kill`, kills the worker that fetches from the registry (the head of the pipeline every other
-worker relays from) a quarter of the way into the first version.
+worker relays from) a quarter of the way into the first version. `tree` is `relay` with the
+registry's `PEER_TREE=measured` (services/registry/peers.py: a tree chosen by the paths workers
+measure; run only when asked for, `--relay-modes ... tree`).
+Heterogeneous links: `--slow-workers N --slow-mbit R` gives N workers an uplink (what they serve
+to peers) of R Mbit/s, the 2nd to the (N+1)th in the order of first announcement (the workers then
+warm up one after another in index order, so that order is their index; in `relay-cold` it is the
+order of arrival); the JSON's `slow_workers` says which.
 Workers download and verify only: applying a patch is GPU work, not measured here.
 `--profile-worker I` writes a cProfile of worker I's relay run (its top functions go into the
 JSON).
@@ -45,6 +51,19 @@ from shared.gcheap import freeze_startup_heap
 
 WORKERS = 8
 RATES = {"1gbit": GBIT, "100mbit": 100 * MBIT}
+
+
+def worker_links(rate: float, slow: int = 0, slow_bps: float = 100 * MBIT) -> tuple[list[Link], list[int]]:
+    """Every worker's link at `rate` both ways, except that `slow` of them serve at `slow_bps`
+    (their uplink): the 2nd to the (slow+1)th, early in the order, where a chain puts every later
+    worker behind them. The head (1st) and the last stay fast, so a slow hop sits mid-pipeline.
+    Returns the links and the slow workers' indices."""
+    if not 0 <= slow <= WORKERS - 2:
+        raise ValueError(f"--slow-workers must be 0 to {WORKERS - 2}, not {slow}")
+    if slow and slow_bps <= 0:
+        raise ValueError(f"--slow-mbit must be positive, not {slow_bps / MBIT:g}")
+    chosen = list(range(1, 1 + slow))
+    return [Link(rate, slow_bps if i in chosen else rate) for i in range(WORKERS)], chosen
 
 
 def cpu_s() -> float:
@@ -105,11 +124,14 @@ async def _relay_worker(cfg: dict[str, Any]) -> dict[str, Any]:
             await asyncio.sleep(0.3)
     warm_up: dict[str, Any] | None = None
     if relay is not None and cfg["warm_up"]:  # as a rollout service started from its own weights
+        while cfg.get("warm_after") and not Path(cfg["warm_after"]).exists():  # one after another
+            await asyncio.sleep(0.05)
         started = time.time()
         warmed = await relay.warm_up(client.downloader, plan := await client.plan(None))
         key = snapshot.key if (snapshot := snapshot_in(plan)) is not None else None
         warm_up = {"warmed": warmed, "seconds": round(time.time() - started, 3), "key": key,
                    "peers": relay.stats.peers.get(key)}
+        Path(cfg["out"] + ".warm").touch()
     freeze_startup_heap()  # as the rollout service does once started (shared.gcheap)
     gc.callbacks.append(full_passes := _FullPasses())
     await barrier(cfg)
@@ -140,7 +162,9 @@ async def _relay_worker(cfg: dict[str, Any]) -> dict[str, Any]:
             row.update(peer_pieces=stats.peer_pieces - stats0["peer_pieces"],
                        registry_pieces=stats.registry_pieces - stats0["registry_pieces"],
                        dropped=dict(stats.dropped), served_pieces=relay.holdings.served_pieces,
-                       peers=stats.peers.get(key))
+                       peers=stats.peers.get(key),
+                       # what it reports of its sources next (the measured tree's input)
+                       paths={k: v.model_dump() for k, v in relay.paths.items()})
         # CPU until this worker holds v; what it serves after that is counted in the next round.
         row.update(cpu_s=round(cpu_s() - cpu0, 3),
                    served_bytes=(relay.holdings.served_bytes - served0) if relay else 0)
@@ -204,16 +228,18 @@ def publish(net: Net, chain: Path, v: int) -> float:
 
 
 def run_mode(net: Net, stack: Stack, chain: Path, scratch: Path, name: str, versions: int, rate: float,
-             profile_worker: int | None = None) -> dict[str, Any]:
+             profile_worker: int | None = None, in_order: bool = False) -> dict[str, Any]:
     """One run on a fresh registry store: `direct`, `relay` (workers warm up before the first
     version, as rollout services started from their own weights: shared.relay.Relay.warm_up),
-    `relay-cold` (relay without it), or `relay-kill` (relay, and the pipeline's head is killed a
-    quarter of the way into version 1)."""
+    `relay-cold` (relay without it), `relay-kill` (relay, and the pipeline's head is killed a
+    quarter of the way into version 1), or `tree` (relay, the registry choosing a tree by measured
+    paths). `in_order`: workers warm up one after another, in index order."""
     relay, kill = name != "direct", name == "relay-kill"
     store = scratch / f"store-{name}"
     shutil.copytree(chain / "store", store, copy_function=os.link)
     prefix = f"wanrelay{net.tag}{name}"
-    registry = stack.registry(store, prefix, scratch / f"registry-{name}.log")
+    registry = stack.registry(store, prefix, scratch / f"registry-{name}.log",
+                              {"SPARSECAST_PEER_TREE": "measured" if name == "tree" else "chain"})
     url = f"http://{Net.HUB_IP}:{REGISTRY_PORT}"
     go = scratch / f"go-{name}"
     outs, procs = [], []
@@ -227,6 +253,7 @@ def run_mode(net: Net, stack: Stack, chain: Path, scratch: Path, name: str, vers
             "redis_prefix": prefix,
             "relay": relay,
             "warm_up": relay and name != "relay-cold",
+            "warm_after": str(outs[i - 1]) + ".warm" if in_order and i else None,
             "ip": net.worker_ip(i),
             "versions": versions,
             "go": str(go),
@@ -321,7 +348,8 @@ def kill_root(outs: list[Path], procs: list[subprocess.Popen[bytes]], v: int, de
     return None
 
 
-MODES = ("direct", "relay", "relay-cold", "relay-kill")
+DEFAULT_MODES = ("direct", "relay", "relay-cold", "relay-kill")
+MODES = (*DEFAULT_MODES, "tree")
 
 
 def cpu_per_byte(mode: dict[str, Any]) -> dict[str, Any]:
@@ -347,17 +375,20 @@ def main(args: argparse.Namespace) -> None:
     info = json.loads((chain / "chain.json").read_text())
     versions = min(args.versions, len(info["versions"]))
     rate = RATES[args.relay_link]
+    links, slow = worker_links(rate, args.slow_workers, args.slow_mbit * MBIT)
     scratch = Path(tempfile.mkdtemp(prefix="wan-relay-"))
     result: dict[str, Any] = {
         "bench": "wan-relay", "command": " ".join(["python -m bench.wan", *sys.argv[1:]]),
         "host": f"{os.cpu_count()} CPU cores, no GPU (download and verify only)",
         "load_avg_at_start": [round(x, 2) for x in os.getloadavg()], "workers": WORKERS,
         "uplink_bps": rate, "worker_link_bps": rate, "rtt_ms": args.rtt_ms, "link_rtt_ms": args.rtt_ms / 2,
+        # Workers (by index: their place in the order of first announcement) serving at a lower rate.
+        "slow_workers": {"workers": slow, "up_bps": args.slow_mbit * MBIT if slow else None},
         "versions": versions, "chain": info, "modes": [],
     }
-    modes = args.relay_modes or MODES
+    modes = args.relay_modes or DEFAULT_MODES
     with Net(WORKERS) as net:
-        uplink, links = every_pair_rtt(Link(rate), [Link(rate, rate)] * WORKERS, args.rtt_ms)
+        uplink, links = every_pair_rtt(Link(rate), links, args.rtt_ms)
         net.shape(uplink, links)
         result["tcp"] = net.tune_tcp(args.tcp_buffer_mb << 20 if args.tcp_buffer_mb else None,
                                      slow_start_after_idle=not args.no_idle_restart)
@@ -365,7 +396,7 @@ def main(args: argparse.Namespace) -> None:
         try:
             for name in modes:
                 result["modes"].append(run_mode(net, stack, chain, scratch, name, 1 if name == "relay-kill"
-                                                else versions, rate, args.profile_worker))
+                                                else versions, rate, args.profile_worker, bool(slow)))
         finally:
             stack.close()
     result["delay_line"] = net.mover_stats or None
@@ -393,6 +424,11 @@ def main(args: argparse.Namespace) -> None:
         ratios = [round(r["all_hold_s"] / d["all_hold_s"], 3) for r, d in
                   zip(by["relay-cold"]["versions"], by["direct"]["versions"], strict=True)]
         targets["relay_cold_le_half_direct"] = {"ratios": ratios, "met": all(x <= 0.5 for x in ratios)}
+    if "tree" in by and "relay" in by:  # the measured tree against the chain, version by version
+        pairs = [[t["all_hold_s"], r["all_hold_s"]] for t, r in zip(by["tree"]["versions"],
+                                                                    by["relay"]["versions"], strict=True)]
+        targets["tree_vs_chain_all_hold_s_per_version"] = {"value": pairs,
+                                                           "ratios": [round(t / r, 3) for t, r in pairs]}
     if "relay-kill" in by and "relay" in by:
         kill, steady = by["relay-kill"]["versions"][0], by["relay"]["versions"][0]
         # The version reached every live worker (a stuck one raises above); its cost in time and egress:
@@ -402,6 +438,7 @@ def main(args: argparse.Namespace) -> None:
                                           "met": kill["egress_in_patches"] <= 2.0}
     result["targets"] = targets
     out = args.out.with_name(args.out.stem + "-relay" + ("" if args.relay_link == "1gbit" else
-                                                         f"-{args.relay_link}") + ".json")
+                                                         f"-{args.relay_link}")
+                             + (f"-slow{len(slow)}x{args.slow_mbit:g}mbit" if slow else "") + ".json")
     out.write_text(json.dumps(result, indent=1))
     shutil.rmtree(scratch, ignore_errors=True)

@@ -64,7 +64,9 @@ class Stack:
         flag = "--" + role.replace("_", "-")
         return self._spawn(ns, [sys.executable, "-m", "bench.wan", flag, json.dumps(cfg)], log)
 
-    def registry(self, store: Path, prefix: str, log: Path) -> subprocess.Popen[bytes]:
+    def registry(self, store: Path, prefix: str, log: Path,
+                 settings: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """The registry on a fresh store; `settings`: more SPARSECAST_ variables."""
         env = {
             "SPARSECAST_HOST": Net.HUB_IP,
             "SPARSECAST_PORT": str(REGISTRY_PORT),
@@ -75,6 +77,7 @@ class Stack:
             "SPARSECAST_RUN": RUN,
             "SPARSECAST_SNAPSHOT_EVERY": "0",
             "SPARSECAST_MAX_PUBLISH_MERGES": "0",
+            **(settings or {}),
         }
         return self._spawn(self.net.hub, [sys.executable, "-m", "services.registry"], log, env)
 

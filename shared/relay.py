@@ -23,7 +23,11 @@ once per worker. With a Relay on its client (`client.downloader.relay = Relay(..
    between requests (HTTP/1.1 keep-alive, up to `idle_connections` idle per peer), so the next
    version's stream does not pay a new TCP handshake; one the peer closed while idle is replaced,
    and a request that meets a connection closed just as it went out is sent once more on a new one.
-4. keeps its place in that order between versions (`keep_place`: the registry forgets a worker
+4. measures each source it fetched an object from (`paths`: the round trip to a stream's headers,
+   less the wait the peer reports in `Server-Timing`, and the stream's rate), smoothed per source,
+   and reports them in its next announcement: the registry may then choose a tree by them
+   (services/registry/peers.py, `peer_tree = "measured"`);
+5. keeps its place in that order between versions (`keep_place`: the registry forgets a worker
    that has not announced for its TTL) and, if it starts from weights of its own, takes a place
    before the first version (`warm_up`: the first pieces of the newest snapshot, fetched through
    the pipeline as a new worker would fetch all of it), so the first patch runs on connections
@@ -46,13 +50,13 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Annotated, Any, cast
 from urllib.parse import SplitResult, quote, urlencode, urlsplit
 
 import httpx
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StringConstraints
 
-from shared.registry.download import Downloader, _Download
+from shared.registry.download import Downloader, HalfWay, PathTiming, _Download
 from shared.registry.errors import CorruptObjectError, RegistryHTTPError
 from shared.registry.wire import ObjectRef, Plan
 
@@ -70,16 +74,46 @@ WARM_UP_BYTES = 32 << 20
 # What a failed announcement raises (`Relay.announce`): HTTP and socket errors, and ValueError for
 # an answer that is no peer list. Its callers fall back or retry; none of these may end their loop.
 ANNOUNCE_ERRORS = (httpx.HTTPError, RegistryHTTPError, OSError, ValueError)
+# Measured paths (`Relay.paths`, `PeerAnnouncement.paths`): the key of the registry among the
+# sources (every other key is a peer's URL); at most MAX_PATHS sources, the latest measured kept.
+REGISTRY_SOURCE = "registry"
+MAX_PATHS = 16
+# A stream's rate is measured only over at least this many body bytes: less is mostly the ramp of
+# the connection's window, not the path's rate.
+MIN_RATE_BYTES = 1 << 20
+# Weight of a new measurement in a source's smoothed figures: each one is already a whole
+# object's stream, and versions are minutes apart, so a stall on one version counts half and a
+# changed link shows within a few versions.
+PATH_WEIGHT = 0.5
+MAX_RTT_S = 600.0
+MAX_RATE_BPS = 1e13  # 10 Tbit/s: beyond any link, a bound on what an announcement may claim
 
 
 # --- wire types --------------------------------------------------------------------------------
 
 
-class PeerAnnouncement(BaseModel):
-    """What a worker tells the registry: where it serves, and the objects it holds or is fetching."""
+PEER_URL = r"https?://[^\s/]+(/[^\s]*)?"
 
-    url: str = Field(max_length=256, pattern=r"^https?://[^\s/]+(/[^\s]*)?$")
+
+class PathSample(BaseModel):
+    """A worker's smoothed measure of the path from one source it fetched from: the round trip
+    (seconds) and the rate a stream got (bits per second)."""
+
+    rtt_s: float = Field(ge=0, le=MAX_RTT_S, allow_inf_nan=False)
+    rate_bps: float = Field(ge=0, le=MAX_RATE_BPS, allow_inf_nan=False)
+
+
+Source = Annotated[str, StringConstraints(max_length=256, pattern=f"^({REGISTRY_SOURCE}|{PEER_URL})$")]
+
+
+class PeerAnnouncement(BaseModel):
+    """What a worker tells the registry: where it serves, the objects it holds or is fetching, and
+    (optional: older workers send none) what it measured of the sources it fetched from, keyed by
+    the peer's URL as the registry listed it, or REGISTRY_SOURCE."""
+
+    url: str = Field(max_length=256, pattern=f"^{PEER_URL}$")
     objects: list[str] = Field(max_length=MAX_ANNOUNCED_OBJECTS)
+    paths: dict[Source, PathSample] = Field(default_factory=dict, max_length=MAX_PATHS)
 
 
 class PeerList(BaseModel):
@@ -163,6 +197,7 @@ def relay_endpoint(holdings: Holdings, wait_s: float = 5.0) -> Any:
         except ValueError:
             return JSONResponse({"detail": "first and last must be integers"}, status_code=422)
         download = holdings.find(run, key)
+        began = time.monotonic()
         if download is not None:
             if not (0 <= first < len(download.done) and first < last):
                 detail = f"{key} has {len(download.done)} pieces here"
@@ -172,8 +207,10 @@ def relay_endpoint(holdings: Holdings, wait_s: float = 5.0) -> Any:
             last = min(last, len(download.done))
         if download is None or not await download.wait_bytes(first, 0, wait_s):
             return JSONResponse({"detail": f"piece {first} of {key!r} is not held here"}, status_code=404)
+        # How long the answer waited for its first byte (the asker subtracts it from its round trip).
+        waited = f"wait;dur={(time.monotonic() - began) * 1000:.1f}"
         return StreamingResponse(holdings.stream(download, first, last, wait_s),
-                                 media_type="application/octet-stream")
+                                 media_type="application/octet-stream", headers={"Server-Timing": waited})
 
     return pieces
 
@@ -243,6 +280,9 @@ class _PieceReader:
         self.reusable = False  # the answer ended cleanly and the peer keeps the connection open
         self.received = 0  # bytes of this answer so far (none: a kept connection may be stale)
         self.last = 0.0  # loop time of the last bytes
+        self.sent_at = 0.0  # loop time the request went out (`Relay._request`)
+        self.headers_at: float | None = None  # ... the answer's headers were read
+        self.waited_s = 0.0  # the peer's wait for its first byte before answering (Server-Timing)
         loop = asyncio.get_running_loop()
         self.headers: asyncio.Future[None] = loop.create_future()
         self.finished: asyncio.Future[None] = loop.create_future()
@@ -255,7 +295,7 @@ class _PieceReader:
                 future.exception()  # reported: the request is being retried
         loop = asyncio.get_running_loop()
         self.headers, self.finished = loop.create_future(), loop.create_future()
-        self.state, self.status, self.transport = "head", 0, None
+        self.state, self.status, self.transport, self.headers_at = "head", 0, None, None
         self.pending.clear()
 
     def _fail(self, reason: str) -> None:
@@ -341,6 +381,7 @@ class _PieceReader:
                 self.status = int(lines[0].split()[1])
                 fields = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
                 self.keep_alive = "close" not in fields.get("connection", "").lower()
+                self.headers_at, self.waited_s = self.last, _server_wait_s(fields.get("server-timing", ""))
                 self.headers.set_result(None)
                 if self.status != 200:
                     self._done()  # its body is not read: the connection is not reused
@@ -364,6 +405,15 @@ class _PieceReader:
                     self.state = "trailer"
                     continue
                 self._start_data(size)
+
+
+_WAIT = re.compile(r"(?:^|,)\s*wait;dur=([0-9]+(?:\.[0-9]+)?)")
+
+
+def _server_wait_s(header: str) -> float:
+    """The `wait` duration of a Server-Timing header in seconds (0 when absent: an older peer)."""
+    match = _WAIT.search(header)
+    return float(match[1]) / 1000 if match else 0.0
 
 
 # --- socket windows -----------------------------------------------------------------------------
@@ -494,6 +544,7 @@ class Relay:
         idle_connections: int = 4,
         socket_buffer_bytes: int = SOCKET_BUFFER_BYTES,
         announce_every_s: float = ANNOUNCE_EVERY_S,
+        min_rate_bytes: int = MIN_RATE_BYTES,
     ) -> None:
         if not WORKER_ID.fullmatch(worker_id):
             raise ValueError(f"bad worker id {worker_id!r}")
@@ -507,6 +558,9 @@ class Relay:
         self._announced_at: float | None = None  # monotonic time of the last accepted announcement
         self._announce_failing = False  # logged once per run of failures
         self.stats = RelayStats()
+        self.min_rate_bytes = min_rate_bytes
+        # Per source (a peer's URL, REGISTRY_SOURCE), smoothed; sent with each announcement.
+        self.paths: OrderedDict[str, PathSample] = OrderedDict()
         self.connections_opened = 0
         self._idle: dict[str, list[_PeerConnection]] = {}  # peer (scheme://host:port) → open, unused
 
@@ -537,7 +591,8 @@ class Relay:
         """Tell the registry what this worker holds; returns peers to try per object."""
         transport = downloader.transport
         body = PeerAnnouncement(
-            url=self.url, objects=self.holdings.keys(transport.run)[-MAX_ANNOUNCED_OBJECTS:]
+            url=self.url, objects=self.holdings.keys(transport.run)[-MAX_ANNOUNCED_OBJECTS:],
+            paths=dict(self.paths),
         )
 
         async def action() -> Any:
@@ -623,37 +678,62 @@ class Relay:
         direct = [d for d in downloads if not peers.get(d.ref.key)]
         relayed = [d for d in downloads if peers.get(d.ref.key)]
         jobs = [self._fetch_relayed(downloader, d, list(peers[d.ref.key])) for d in relayed]
+        timing = PathTiming()
         if direct:  # this worker heads the pipeline for these: peers stream from it as they verify
-            jobs.append(downloader.fetch_direct(direct, in_order=True))
+            jobs.append(downloader.fetch_direct(direct, in_order=True, timing=timing))
         await _all(jobs)
+        self._note(REGISTRY_SOURCE, timing)
+
+    def _note(self, source: str, timing: PathTiming) -> None:
+        """Fold what fetches from `source` measured into its smoothed figures, when enough bytes
+        passed to give a rate."""
+        rate = timing.rate_bps()
+        if timing.rtt_s is None or rate is None or timing.bytes < self.min_rate_bytes:
+            return
+        rtt, rate = min(timing.rtt_s, MAX_RTT_S), min(rate, MAX_RATE_BPS)
+        old = self.paths.pop(source, None)
+        if old is not None:
+            rtt = PATH_WEIGHT * rtt + (1 - PATH_WEIGHT) * old.rtt_s
+            rate = PATH_WEIGHT * rate + (1 - PATH_WEIGHT) * old.rate_bps
+        self.paths[source] = PathSample(rtt_s=rtt, rate_bps=rate)  # the latest measured last
+        while len(self.paths) > MAX_PATHS:
+            self.paths.popitem(last=False)
 
     async def _fetch_relayed(self, downloader: Downloader, download: _Download, peers: list[str]) -> None:
         """Everything missing from the first peer in one stream; what it fails to deliver from the
         next, then from the registry."""
         for peer in peers:
+            timing = PathTiming()
             try:
                 for first, last in _runs(download.done):
-                    await self._stream(downloader, peer, download, first, last)
+                    await self._stream(downloader, peer, download, first, last, timing)
                 return
             except PeerFailed as exc:
                 log.warning("peer %s dropped for %s (%s)", peer, download.ref.key, exc.reason)
                 self.stats.drop(exc.reason)
+            finally:
+                self._note(peer, timing)
         missing = download.done.count(False)
         if missing:
-            await downloader.fetch_direct([download], in_order=True)
+            timing = PathTiming()
+            await downloader.fetch_direct([download], in_order=True, timing=timing)
+            self._note(REGISTRY_SOURCE, timing)
             self.stats.registry_pieces += missing
 
     async def _stream(self, downloader: Downloader, peer: str, download: _Download, first: int,
-                      last: int) -> None:
+                      last: int, timing: PathTiming) -> None:
         """Pieces first..last-1 from one peer's stream, straight into the buffer, each hashed in a
-        thread as soon as its last byte lands while the stream keeps receiving."""
+        thread as soon as its last byte lands while the stream keeps receiving; `timing` gets
+        the round trip and the bytes of an answer that came (200)."""
         start, end = download.piece_range(first)[0], download.piece_range(last - 1)[1]
         checks: list[asyncio.Task[bool]] = []
         lied = False
         next_piece = first
+        half, now = HalfWay(start, end), asyncio.get_running_loop().time
 
         def on_bytes(offset: int, n: int) -> None:
             nonlocal next_piece
+            half.passed(offset, now)
             downloader.transport.counters.bytes += n
             download.landed(offset - n, offset)  # this worker's own askers may take them on
             while next_piece < last and download.piece_range(next_piece)[1] <= offset:
@@ -696,6 +776,9 @@ class Relay:
             for future in (reader.headers, reader.finished):  # failures are reported once, here
                 if future.done() and not future.cancelled():
                     future.exception()
+        if reader.status == 200 and reader.headers_at is not None:
+            timing.answered(reader.headers_at - reader.sent_at - reader.waited_s)
+            timing.received(reader.offset - start, half.tail(reader.offset), half.at, reader.last)
         verified = await asyncio.gather(*checks)
         self.stats.peer_pieces += sum(verified)
         if not all(verified):
@@ -722,6 +805,7 @@ class Relay:
             connection.reader, connection.requests = reader, connection.requests + 1
             reader.start(cast(asyncio.BaseTransport, connection.transport))
             transport = cast(asyncio.Transport, connection.transport)  # uvloop's is not a subclass
+            reader.sent_at = asyncio.get_running_loop().time()
             transport.write(request)
             try:
                 async with asyncio.timeout(self.piece_timeout_s):

@@ -118,7 +118,8 @@ class Registry:
         self.announce = announce
         self._runs: dict[str, RunState] = {}  # runs with versions
         self._empty: OrderedDict[str, RunState] = OrderedDict()  # runs without, EMPTY_RUNS_KEPT at most
-        self.peers = PeerDirectory(settings.peer_ttl_s, settings.peer_max_listed)
+        self.peers = PeerDirectory(settings.peer_ttl_s, settings.peer_max_listed, tree=settings.peer_tree,
+                                   piece_bytes=settings.piece_bytes)
         self._loading = asyncio.Lock()
         self.merger = Merger(storage, settings, self.metrics, self._read_verified, self.state_at,
                              self.write_object)
@@ -592,13 +593,16 @@ class Registry:
 
     async def announce_peer(self, run: str, worker: str, body: PeerAnnouncement) -> PeerList:
         """A worker holds (or is fetching) these objects and serves them at body.url (shared.relay)."""
-        await self._run(run)
+        state = await self._run(run)
         if not WORKER_ID.fullmatch(worker):
             raise Invalid(f"bad worker id {worker!r}")
         for key in body.objects:
             self.object_key(run, key)  # refuses keys outside the run's folders
+        keys = set(body.objects)  # the sizes of the patches announced: the measured tree's costs
+        sizes = {m.patch.key: m.patch.size for m in state.manifests.values()
+                 if m.patch is not None and m.patch.key in keys}
         return PeerList(peers=await self.peers.announce_ordered(
-            run, worker, body.url, body.objects, self.settings.peer_order_wait_s))
+            run, worker, body.url, body.objects, self.settings.peer_order_wait_s, body.paths, sizes))
 
     async def leave_peer(self, run: str, worker: str) -> None:
         await self._run(run)

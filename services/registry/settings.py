@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from shared.registry.transport import KEEP_ALIVE_S
@@ -47,6 +49,11 @@ class RegistrySettings(ServiceSettings):
     # neighbours): an announcement waits at most this long for predecessors expected on the same
     # new patch (services/registry/peers.py; 0: arrival order).
     peer_order_wait_s: float = Field(default=1.0, ge=0)
+    # How workers are arranged for a new patch: "chain" (the order above), or "measured" (a tree
+    # by the paths workers measure and report, the chain where nothing is measured yet;
+    # services/registry/peers.py). The chain by default: the tree is measured with one slow uplink
+    # only (docs/registry.md, "A tree chosen by measured paths").
+    peer_tree: Literal["chain", "measured"] = "chain"
     # The scrub re-hashes every stored object of every run in the store against its manifest's piece
     # hashes every scrub_every_s (0: never; readers' reports still quarantine), reading at most
     # scrub_bytes_per_s so that it never competes with serving (docs/registry.md, self-repair).

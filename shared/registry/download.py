@@ -142,6 +142,60 @@ class _Download:
         return True
 
 
+@dataclass
+class PathTiming:
+    """What the fetches from one source saw of the path to it (shared.relay.Relay measures each
+    source it fetches from): the shortest time from a request to its answer's headers, less what
+    the source said it waited before answering (a round trip), and the rate of the body's second
+    half (streams at once count together). The second half because a relayed stream starts by
+    draining what its source already holds, at whatever its own link allows, and only then flows
+    at the rate the source receives and can send: the first half's rate says when the stream
+    started, not what the path carries."""
+
+    rtt_s: float | None = None
+    bytes: int = 0
+    tail_bytes: int = 0  # bytes of the streams' second halves
+    tail_from: float | None = None  # loop time the first stream reached its second half
+    last: float | None = None  # loop time of the last body byte
+
+    def answered(self, rtt_s: float) -> None:
+        self.rtt_s = max(0.0, rtt_s if self.rtt_s is None else min(self.rtt_s, rtt_s))
+
+    def received(self, nbytes: int, tail_bytes: int, tail_from: float | None, last_at: float) -> None:
+        """A stream's body: `nbytes` in all, the last `tail_bytes` of them from `tail_from` to
+        `last_at` (None: it ended before its second half)."""
+        self.bytes += nbytes
+        if tail_from is None or tail_bytes <= 0:
+            return
+        self.tail_bytes += tail_bytes
+        self.tail_from = tail_from if self.tail_from is None else min(self.tail_from, tail_from)
+        self.last = last_at if self.last is None else max(self.last, last_at)
+
+    def rate_bps(self) -> float | None:
+        """Bits per second of the second halves, None without a span to divide by."""
+        if self.tail_from is None or self.last is None or self.last <= self.tail_from:
+            return None
+        return self.tail_bytes * 8 / (self.last - self.tail_from)
+
+
+class HalfWay:
+    """When a stream of `start`..`end` passed its middle byte (PathTiming's second half)."""
+
+    __slots__ = ("at", "middle")
+
+    def __init__(self, start: int, end: int) -> None:
+        self.middle = start + (end - start) // 2
+        self.at: float | None = None
+
+    def passed(self, offset: int, now: Callable[[], float]) -> None:
+        if self.at is None and offset >= self.middle:
+            self.at = now()
+
+    def tail(self, offset: int) -> int:
+        """Bytes received after the middle, by `offset`."""
+        return max(0, offset - self.middle) if self.at is not None else 0
+
+
 def _sha256(data: bytes | memoryview | bytearray) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -188,20 +242,27 @@ class Downloader:
         return download
 
     async def _receive(self, download: _Download, first: int, last: int,
-                       on_piece: Callable[[int], None] | None = None) -> None:
+                       on_piece: Callable[[int], None] | None = None,
+                       timing: PathTiming | None = None) -> None:
         """Fetch pieces first..last-1 with one ranged request into the buffer, calling on_piece(i)
-        as each one is complete; a dropped stream resumes at the byte it stopped."""
+        as each one is complete; a dropped stream resumes at the byte it stopped. `timing` notes
+        each answer's round trip and bytes (the registry answers at once: no wait to subtract)."""
         start, end = download.piece_range(first)[0], download.piece_range(last - 1)[1]
         url = self.transport._path(f"objects/{download.ref.key}")
         offset, attempt, next_piece = start, 0, first
+        loop = asyncio.get_running_loop()
         while offset < end:
             try:
                 headers = {"Range": f"bytes={offset}-{end - 1}"}
+                sent = loop.time()
                 async with self.transport._http.stream("GET", url, headers=headers) as response:
                     if response.status_code != 206:
                         await response.aread()
                         self.transport._raise_for(response)
                         raise RegistryHTTPError(response.status_code, "expected a 206 range answer")
+                    began, half = offset, HalfWay(offset, end)
+                    if timing is not None:
+                        timing.answered(loop.time() - sent)
                     # Chunks as the socket delivers them (no re-chunking copies).
                     async for chunk in response.aiter_raw():
                         if self.bucket:
@@ -209,12 +270,15 @@ class Downloader:
                         take = min(len(chunk), end - offset)
                         download.buffer[offset : offset + take] = memoryview(chunk)[:take]
                         offset += take
+                        half.passed(offset, loop.time)
                         download.landed(offset - take, offset)
                         self.transport.counters.bytes += len(chunk)
                         while next_piece < last and download.piece_range(next_piece)[1] <= offset:
                             if on_piece is not None:
                                 on_piece(next_piece)
                             next_piece += 1
+                    if timing is not None:
+                        timing.received(offset - began, half.tail(offset), half.at, loop.time())
                 if offset < end:
                     raise httpx.RemoteProtocolError("range answer ended early")
             except (httpx.TransportError, RegistryHTTPError) as exc:
@@ -271,11 +335,12 @@ class Downloader:
                 download.part.unlink(missing_ok=True)
         return [memoryview(d.buffer)[: d.ref.size] for d in downloads]
 
-    async def fetch_direct(self, downloads: Sequence[_Download], *, in_order: bool = False) -> None:
+    async def fetch_direct(self, downloads: Sequence[_Download], *, in_order: bool = False,
+                           timing: PathTiming | None = None) -> None:
         """Fill downloads from the registry (the body of download()). `in_order`: one piece per
         request, taken in index order, so pieces verify about in order (a relay serving peers
         while it downloads: they stream in order, and would wait on a piece at the start of
-        another stream's run)."""
+        another stream's run). `timing`: what the requests saw of the path (PathTiming)."""
         pending = sum(d.done.count(False) for d in downloads)
         share = -(-pending // self.transport.streams)
         queue: asyncio.Queue[tuple[_Download, int, int]] = asyncio.Queue()
@@ -301,7 +366,7 @@ class Downloader:
                 def verify(i: int, d: _Download = download) -> None:
                     group.create_task(self._verify_piece(d, i))
 
-                await self._receive(download, first, last, verify)
+                await self._receive(download, first, last, verify, timing)
 
         try:
             async with asyncio.TaskGroup() as group:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import mmap
 import time
@@ -33,7 +34,7 @@ def chain() -> Chain:
 
 
 @contextmanager
-def registry(tmp_path: Path, **options: float) -> Iterator[str]:
+def registry(tmp_path: Path, **options: float | str) -> Iterator[str]:
     """A registry on loopback (empty: `publish` fills it)."""
     settings = RegistrySettings(store_url=f"file://{tmp_path}/store", api_token=TOKEN, piece_bytes=4096,
                                 snapshot_every=0, plan_lease_s=0, **options)
@@ -158,6 +159,31 @@ async def test_keeping_a_place_survives_a_registry_that_is_down(
         with caplog.at_level(logging.WARNING, logger="shared.relay"):
             assert [await relay.keep_place(a.downloader) for _ in range(3)] == [False, False, False]
         assert sum("peer announcement failed" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_the_measured_tree_serves_every_version_with_one_copy(
+    tmp_path: Path, chain: Chain, peers: ExitStack
+) -> None:
+    """With PEER_TREE=measured the registry plans each new patch by the paths workers report (the
+    chain until it has them): every worker still gets every version, every piece from a peer but
+    the one copy the registry sends."""
+    with registry(tmp_path, peer_tree="measured") as base:
+        await publish(base, chain)
+        async with (worker(base, "t-a", peers, min_rate_bytes=1) as a,
+                    worker(base, "t-b", peers, min_rate_bytes=1) as b,
+                    worker(base, "t-c", peers, min_rate_bytes=1) as c):
+            states = {w: clone(chain.states[0]) for w in (a, b, c)}
+            for w in (a, b, c):  # version 1 one after another: the chain, measured as it goes
+                await sync_weights(w, states[w], 0, target=1)
+            for v in (2, 3):
+                before = await served(base)
+                await asyncio.gather(*(sync_weights(w, states[w], v - 1, target=v) for w in (a, b, c)))
+                assert all(same(states[w], chain.states[v]) for w in (a, b, c))
+                assert await served(base) - before == len(chain.patches[v])
+            assert all(w.downloader.relay.stats.dropped == {} for w in (a, b, c))
+            # What the plans had to go by: the head's measure of the registry (these patches are
+            # too small for a peer's stream to have a rate: they come with the answer's headers).
+            assert "registry" in a.downloader.relay.paths
 
 
 WARM_UP = 4 * 4096  # bytes: the first 4 pieces of the v0 snapshot
@@ -328,10 +354,68 @@ async def test_announcements_need_the_token_and_valid_keys(url: str) -> None:
         assert (await http.put(f"/v1/runs/{RUN}/peers/w1", json=body)).status_code == 401
         bad = [({**body, "objects": ["../etc/passwd"]}, "w1"), ({**body, "url": "ftp://x"}, "w1"),
                (body, "bad id!")]
+        sample = {"rtt_s": 0.1, "rate_bps": 1e9}
+        bad += [({**body, "paths": paths}, "w1") for paths in (  # measured paths out of bounds
+            {"registry": {**sample, "rtt_s": -1}}, {"registry": {**sample, "rate_bps": 1e30}},
+            {"registry": {"rtt_s": 0.1}}, {"ftp://x": sample},
+            {f"http://10.0.0.{i}:8300": sample for i in range(17)})]
         for payload, name in bad:
             response = await http.put(f"/v1/runs/{RUN}/peers/{name}", json=payload, headers=AUTH)
             assert response.status_code == 422, response.text
+        # NaN is no JSON, but Python's parser takes it: refused as any bad figure.
+        nan = ('{"url": "http://10.0.0.2:8300", "objects": [], '
+               '"paths": {"registry": {"rtt_s": NaN, "rate_bps": 1}}}')
+        response = await http.put(f"/v1/runs/{RUN}/peers/w1", content=nan, headers={
+            **AUTH, "Content-Type": "application/json"})
+        assert response.status_code == 422, response.text
         assert (await http.delete(f"/v1/runs/{RUN}/peers/w1", headers=AUTH)).status_code == 404
+        good = {**body, "paths": {"registry": sample, "http://10.0.0.3:8300": sample}}
+        assert (await http.put(f"/v1/runs/{RUN}/peers/w1", json=good, headers=AUTH)).status_code == 200
+
+
+async def test_a_worker_reports_the_paths_it_measured_in_its_next_announcement(
+    tmp_path: Path, chain: Chain, peers: ExitStack
+) -> None:
+    """Each source an object came from is measured: the round trip to the answer's headers, less
+    the wait the peer reports (Server-Timing: here it waits 0.3 s for its own first bytes), and
+    the stream's rate; the registry's too. The next announcement carries them."""
+    patch = "patches/0-1.patch"
+    with registry(tmp_path, peer_order_wait_s=0) as base:
+        await publish(base, chain)
+        async with RegistryClient(base, RUN, token=TOKEN) as reader:
+            ref = (await reader.plan(0, 1)).steps[0].object
+        late = Holdings()
+        download = held(patch, chain.patches[1], ref.piece_bytes, verified=0)  # no byte yet
+        late.add(RUN, download)
+        late_url = peers.enter_context(serve_app(relay_app(late, wait_s=2.0)))
+        await announce(base, "late", late_url, [patch])
+        async with worker(base, "measuring", peers, min_rate_bytes=1) as c:
+            relay = c.downloader.relay
+            sent: list[dict] = []
+
+            async def keep(request: httpx.Request) -> None:
+                if request.method == "PUT" and "/peers/" in request.url.path:
+                    sent.append(json.loads(request.content))
+
+            c.downloader.transport._http.event_hooks["request"].append(keep)
+            loop = asyncio.get_running_loop()
+            for i in range(len(download.done)):  # its own download lands from 0.3 s after the ask
+                loop.call_later(0.3 + 0.01 * i, download.mark_done, i)
+            began = loop.time()
+            state = clone(chain.states[0])
+            await sync_weights(c, state, 0, target=1)
+            assert same(state, chain.states[1]) and relay.stats.peer_pieces == len(ref.pieces)
+            assert loop.time() - began >= 0.3
+            assert sent[-1]["paths"] == {}  # nothing measured before this fetch
+            assert list(relay.paths) == [late_url]
+            assert 0 < relay.paths[late_url].rtt_s < 0.15  # not the 0.3 s the peer waited
+            assert relay.paths[late_url].rate_bps > 0
+            await sync_weights(c, state, 1, target=2)  # nobody holds 1-2: from the registry
+            assert same(state, chain.states[2]) and set(relay.paths) == {late_url, "registry"}
+            assert set(sent[-1]["paths"]) == {late_url}  # announced before this fetch measured it
+            await relay.announce(c.downloader)  # the next announcement (keep_place's)
+            assert sent[-1]["paths"] == {k: v.model_dump() for k, v in relay.paths.items()}
+            assert all(v["rtt_s"] > 0 and v["rate_bps"] > 0 for v in sent[-1]["paths"].values())
 
 
 def held(ref_key: str, data: bytes, piece_bytes: int, verified: int | None = None) -> _Download:
