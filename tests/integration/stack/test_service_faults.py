@@ -52,6 +52,12 @@ def test_loops_ride_out_redis_client_kill_and_restart(tmp_path: Path, tiny_model
         stack.submit(12)
         stack.wait_step(1)
         assert redis_server.kill_clients() >= 2
+        # A process sees a killed connection only at its next call on it, and a slow machine may
+        # keep the trainer training until it has reconnected unawares (make test once saw only the
+        # worker's): kill again until the trainer too has met one.
+        wait_for(lambda: outage_warnings(caplog, "redis", "services.trainer.core") >= 1
+                 or redis_server.kill_clients() < 0, 120, "the trainer meeting a killed connection",
+                 every=0.5)
         stack.wait_step(3)
         redis_server.stop()
         wait_for(lambda: get(f"{stack.trainer_url}/readyz").status_code == 503, 10, "trainer not ready")
