@@ -55,9 +55,9 @@ class DemoOptions:
     kv_max: int | None = None
     # The controller's floor on the KV saved (KVControlSettings.min_saved): no raise past it, and
     # down when under it; 0: none. 0.4, the issue's target: on AVX2-only CPUs the mismatch target
-    # alone settled at 36-37 % saved, with the floor every criterion held in 9 of 9 runs on two kinds;
-    # where the cache already saves more (AVX512-BF16 natively) it does not bind (docs/training.md,
-    # "On the Zen 3 again: the KV floor").
+    # alone settled at 36-37 % saved; with the floor 40.4-40.9 % in 9 of 9 runs on two kinds, and
+    # every criterion in the 6 on an idle machine; where the cache already saves more (AVX512-BF16
+    # natively) it does not bind (docs/training.md, "On the Zen 3 again: the KV floor").
     kv_min_saved: float = 0.4
     # How the trainer recomputes log-probs (LossConfig.recompute): "replayed" under the workers'
     # eviction, replayed by the engine, or "dense" (Sparse-RL's ξ correction). Replayed for the demo:
