@@ -598,9 +598,11 @@ class Registry:
             raise Invalid(f"bad worker id {worker!r}")
         for key in body.objects:
             self.object_key(run, key)  # refuses keys outside the run's folders
-        keys = set(body.objects)  # the sizes of the patches announced: the measured tree's costs
-        sizes = {m.patch.key: m.patch.size for m in state.manifests.values()
-                 if m.patch is not None and m.patch.key in keys}
+        sizes: dict[str, int] = {}  # the patches announced: the measured tree's costs (the chain needs none)
+        if self.peers.tree == "measured":
+            keys = set(body.objects)
+            sizes = {m.patch.key: m.patch.size for m in state.manifests.values()
+                     if m.patch is not None and m.patch.key in keys}
         return PeerList(peers=await self.peers.announce_ordered(
             run, worker, body.url, body.objects, self.settings.peer_order_wait_s, body.paths, sizes))
 
