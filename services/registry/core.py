@@ -37,7 +37,7 @@ from pydantic import ValidationError
 from services.registry.errors import Conflict, InsufficientStorage, Invalid, NotFound
 from services.registry.merge import Merger
 from services.registry.metrics import RegistryMetrics
-from services.registry.peers import PeerDirectory
+from services.registry.peers import PeerDirectory, target_version
 from services.registry.planner import cheapest_plan
 from services.registry.repair import (
     GONE,
@@ -600,9 +600,11 @@ class Registry:
             self.object_key(run, key)  # refuses keys outside the run's folders
         sizes: dict[str, int] = {}  # the patches announced: the measured tree's costs (the chain needs none)
         if self.peers.tree == "measured":
-            keys = set(body.objects)
-            sizes = {m.patch.key: m.patch.size for m in state.manifests.values()
-                     if m.patch is not None and m.patch.key in keys}
+            for key in body.objects:
+                target = target_version(key)
+                manifest = None if target is None else state.manifests.get(target)
+                if manifest is not None and manifest.patch is not None and manifest.patch.key == key:
+                    sizes[key] = manifest.patch.size
         return PeerList(peers=await self.peers.announce_ordered(
             run, worker, body.url, body.objects, self.settings.peer_order_wait_s, body.paths, sizes))
 

@@ -67,9 +67,9 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal
 
-from shared.relay import REGISTRY_SOURCE
+from shared.relay import REGISTRY_SOURCE, PathSample
 
 _PATCH = re.compile(r"^patches/(\d+)-(\d+)\.patch$")
 _TARGET = re.compile(r"^(?:patches|merged)/\d+-(\d+)\.patch$|^snapshots/(\d+)\.safetensors$")
@@ -94,26 +94,10 @@ def _base_of_next_patch(key: str) -> int | None:
     return int(match[1])
 
 
-def _version_of(key: str) -> int | None:
+def target_version(key: str) -> int | None:
     """The version an object brings its holder to (a patch's or merge's target, a snapshot's)."""
     match = _TARGET.match(key)
     return None if match is None else int(match[1] or match[2])
-
-
-class PathFigures(Protocol):
-    """What a worker measured of one source (shared.relay.PathSample)."""
-
-    @property
-    def rtt_s(self) -> float: ...
-
-    @property
-    def rate_bps(self) -> float: ...
-
-
-@dataclass(frozen=True)
-class Measured:
-    rtt_s: float
-    rate_bps: float  # bits per second
 
 
 @dataclass
@@ -159,7 +143,7 @@ class _Costs:
     """The cost model over one run's measured pairs (module docstring); None from `of` without a
     registry measurement or a size."""
 
-    def __init__(self, pairs: Mapping[tuple[str, str], Measured], parents: Mapping[str, str],
+    def __init__(self, pairs: Mapping[tuple[str, str], PathSample], parents: Mapping[str, str],
                  target: float, piece_bytes: int, size: int) -> None:
         self.pairs, self.target = dict(pairs), target  # as they were when planned
         # A new head's first stream is measured on a cold connection: were an unmeasured head
@@ -193,7 +177,7 @@ class _Costs:
             self.uplink[holder] = uplink
 
     @classmethod
-    def of(cls, pairs: Mapping[tuple[str, str], Measured], parents: Mapping[str, str], piece_bytes: int,
+    def of(cls, pairs: Mapping[tuple[str, str], PathSample], parents: Mapping[str, str], piece_bytes: int,
            size: int | None) -> _Costs | None:
         target = max((m.rate_bps for (holder, _), m in pairs.items() if holder == REGISTRY), default=0.0)
         if target <= 0 or not size:
@@ -329,7 +313,7 @@ class _RunPeers:
     next_rank: int = 0
     changed: asyncio.Event | None = None  # set on every announcement (waiters re-check)
     # Measured paths, (holder, asker) → as the asker last reported them (the registry: REGISTRY).
-    paths: dict[tuple[str, str], Measured] = field(default_factory=dict)
+    paths: dict[tuple[str, str], PathSample] = field(default_factory=dict)
     parent: dict[str, str] = field(default_factory=dict)  # worker → first listed on its newest patch
     plans: dict[str, _Plan | None] = field(default_factory=dict)  # patch → its tree (None: the chain)
 
@@ -378,7 +362,7 @@ class PeerDirectory:
         return [w for w, _ in holders[: self.max_listed]]
 
     def record(self, run: str, worker: str, url: str, objects: list[str],
-               paths: Mapping[str, PathFigures] | None = None, sizes: Mapping[str, int] | None = None,
+               paths: Mapping[str, PathSample] | None = None, sizes: Mapping[str, int] | None = None,
                ) -> list[str]:
         """Note that `worker` serves `objects` at `url` (it keeps its place in the order), and what
         it measured of its sources (`paths`: by a peer's URL, or REGISTRY_SOURCE); returns the
@@ -402,7 +386,7 @@ class PeerDirectory:
         for source, figures in (paths or {}).items():
             holder = REGISTRY if source == REGISTRY_SOURCE else by_url.get(source)
             if holder is not None:  # a source that is gone, or never announced, tells nothing
-                state.paths[(holder, worker)] = Measured(figures.rtt_s, figures.rate_bps)
+                state.paths[(holder, worker)] = figures
         new = [k for k in objects if k not in first]
         if self.tree == "measured":
             for key in new:
@@ -426,7 +410,7 @@ class PeerDirectory:
         base = _base_of_next_patch(key)
         rank = {w: p.rank for w, p in state.peers.items()}
         workers = [w for w, p in state.peers.items()
-                   if key in p.objects or any(_version_of(k) == base for k in p.objects)]
+                   if key in p.objects or any(target_version(k) == base for k in p.objects)]
         best = costs.grow_any(workers, rank, {})
         kept = costs.grow_any(workers, rank, state.parent)
         if best is None or (kept is not None and best.makespan >= (1 - self.gain) * kept.makespan):
@@ -454,7 +438,7 @@ class PeerDirectory:
                 before = [w for w, p in state.peers.items() if p.rank < me.rank]
             late = [w for w in before
                     if key not in state.peers[w].objects and (key, w) not in state.passed_over
-                    and any(_version_of(k) == base for k in state.peers[w].objects)]
+                    and any(target_version(k) == base for k in state.peers[w].objects)]
             if late:
                 waiting[key] = late
         return waiting
@@ -508,14 +492,14 @@ class PeerDirectory:
         return result
 
     def announce(self, run: str, worker: str, url: str, objects: list[str],
-                 paths: Mapping[str, PathFigures] | None = None,
+                 paths: Mapping[str, PathSample] | None = None,
                  sizes: Mapping[str, int] | None = None) -> dict[str, list[str]]:
         """record, then answer, without waiting for late predecessors (`announce_ordered` waits)."""
         self.record(run, worker, url, objects, paths, sizes)
         return self.answer(run, worker, objects)
 
     async def announce_ordered(self, run: str, worker: str, url: str, objects: list[str],
-                               wait_s: float, paths: Mapping[str, PathFigures] | None = None,
+                               wait_s: float, paths: Mapping[str, PathSample] | None = None,
                                sizes: Mapping[str, int] | None = None) -> dict[str, list[str]]:
         """record, wait up to wait_s for the predecessors expected on a patch it starts to fetch
         (each announcement wakes the wait), pass over those still missing, then answer."""

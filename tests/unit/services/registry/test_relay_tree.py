@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from services.registry.peers import Measured, PeerDirectory
-from shared.relay import REGISTRY_SOURCE
+from services.registry.peers import PeerDirectory
+from shared.relay import REGISTRY_SOURCE, PathSample
 
 R = 1e9  # bits per second: the registry's rate to the head, and every worker's
 RTT = 0.1
@@ -23,11 +23,15 @@ def key(v: int) -> str:
     return f"patches/{v}-{v + 1}.patch"
 
 
+def measured(rtt_s: float, rate_bps: float) -> PathSample:
+    return PathSample(rtt_s=rtt_s, rate_bps=rate_bps)
+
+
 def url(w: str) -> str:
     return REGISTRY_SOURCE if w == REGISTRY_SOURCE else f"http://{w}"
 
 
-Reports = dict[str, dict[str, Measured]]
+Reports = dict[str, dict[str, PathSample]]
 
 
 def chain_reports(workers: str = WORKERS, slow: dict[str, float] | None = None) -> Reports:
@@ -39,7 +43,7 @@ def chain_reports(workers: str = WORKERS, slow: dict[str, float] | None = None) 
     for i, w in enumerate(workers):
         source = workers[i - 1] if i else REGISTRY_SOURCE
         rate = min(rate, (slow or {}).get(source, R))
-        reports[w] = {url(source): Measured(RTT, rate)}
+        reports[w] = {url(source): measured(RTT, rate)}
     return reports
 
 
@@ -128,7 +132,7 @@ def test_a_worker_held_back_now_is_not_judged_by_an_older_faster_inflow() -> Non
     behind the slow b, and forwards the tenth it receives: held back, not slow. Only b is a leaf,
     so the tree is the chain with b at its end (a chain has room for one leaf)."""
     reports = chain_reports(slow={"b": R / 10})
-    reports["d"][url("a")] = Measured(RTT, R)
+    reports["d"][url("a")] = measured(RTT, R)
     peers = PeerDirectory(tree="measured")
     join(peers)
     report(peers, reports)
@@ -157,8 +161,8 @@ def test_a_head_never_measured_is_not_preferred_to_a_measured_one() -> None:
     costed at the target (b's figure), any of them would look three times faster than a and take
     its place, which on real links costs a cold start each time. a stays the head."""
     reports = chain_reports(slow={"b": R / 10})
-    reports["a"][REGISTRY_SOURCE] = Measured(RTT, R / 3)
-    reports["b"][REGISTRY_SOURCE] = Measured(RTT, R)
+    reports["a"][REGISTRY_SOURCE] = measured(RTT, R / 3)
+    reports["b"][REGISTRY_SOURCE] = measured(RTT, R)
     peers = PeerDirectory(tree="measured")
     join(peers)
     report(peers, reports)
@@ -180,7 +184,7 @@ def test_a_fast_uplink_serves_as_many_children_as_it_carries(measured_rate: floa
     peers = PeerDirectory(tree="measured", gain=0.0)
     join(peers)
     reports = chain_reports()
-    reports["h"][url("d")] = Measured(RTT, measured_rate)
+    reports["h"][url("d")] = measured(RTT, measured_rate)
     report(peers, reports)
     firsts = version(peers, 1)
     children = Counter(firsts.values())
@@ -191,7 +195,7 @@ def test_a_fast_uplink_serves_as_many_children_as_it_carries(measured_rate: floa
 
 def test_hysteresis_keeps_the_tree_on_a_small_change_and_moves_it_on_a_large_one() -> None:
     small = chain_reports()
-    small["c"][url("b")] = Measured(0.13, R)  # b → c's round trip 30 ms longer
+    small["c"][url("b")] = measured(0.13, R)  # b → c's round trip 30 ms longer
     for gain, kept in ((0.2, True), (0.0, False)):
         peers = PeerDirectory(tree="measured", gain=gain)
         join(peers)
@@ -218,7 +222,7 @@ def test_following_first_choices_always_reaches_the_registry(seed: int) -> None:
         reports: Reports = {}
         for w in workers:
             sources = rng.sample([x for x in workers if x != w] + [REGISTRY_SOURCE], k=min(3, len(workers)))
-            reports[w] = {url(s): Measured(rng.uniform(0.001, 0.3), R * rng.choice([0.05, 0.3, 1, 2, 4]))
+            reports[w] = {url(s): measured(rng.uniform(0.001, 0.3), R * rng.choice([0.05, 0.3, 1, 2, 4]))
                           for s in sources}
         report(peers, reports, held=key(v - 1))
         asking = rng.sample(workers, rng.randint(1, len(workers)))
@@ -239,7 +243,7 @@ def test_measurements_go_with_their_workers() -> None:
     peers = PeerDirectory(ttl_s=10, clock=clock, tree="measured")
     join(peers, "abc")
     reports = chain_reports("abc")
-    reports["a"][url("zz")] = Measured(RTT, R)
+    reports["a"][url("zz")] = measured(RTT, R)
     report(peers, reports)
     state = peers._runs["r"]
     assert set(state.paths) == {("", "a"), ("a", "b"), ("b", "c")}
