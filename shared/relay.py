@@ -56,7 +56,7 @@ from urllib.parse import SplitResult, quote, urlencode, urlsplit
 import httpx
 from pydantic import BaseModel, Field, StringConstraints
 
-from shared.registry.download import Downloader, HalfWay, PathTiming, _Download
+from shared.registry.download import Downloader, PathTiming, _Download
 from shared.registry.errors import CorruptObjectError, RegistryHTTPError
 from shared.registry.wire import ObjectRef, Plan
 
@@ -729,11 +729,11 @@ class Relay:
         checks: list[asyncio.Task[bool]] = []
         lied = False
         next_piece = first
-        half, now = HalfWay(start, end), asyncio.get_running_loop().time
+        now = asyncio.get_running_loop().time
 
         def on_bytes(offset: int, n: int) -> None:
             nonlocal next_piece
-            half.passed(offset, now)
+            timing.landed(n, now())
             downloader.transport.counters.bytes += n
             download.landed(offset - n, offset)  # this worker's own askers may take them on
             while next_piece < last and download.piece_range(next_piece)[1] <= offset:
@@ -778,7 +778,6 @@ class Relay:
                     future.exception()
         if reader.status == 200 and reader.headers_at is not None:
             timing.answered(reader.headers_at - reader.sent_at - reader.waited_s)
-            timing.received(reader.offset - start, half.tail(reader.offset), half.at, reader.last)
         verified = await asyncio.gather(*checks)
         self.stats.peer_pieces += sum(verified)
         if not all(verified):

@@ -8,7 +8,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from shared.registry.download import HalfWay, PathTiming
+from shared.registry.download import MAX_ARRIVALS, PathTiming
 from shared.relay import (
     MAX_PATHS,
     MIN_RATE_BYTES,
@@ -48,7 +48,8 @@ def timing(rtt_s: float, nbytes: int, seconds: float) -> PathTiming:
     """A stream of `nbytes` whose second half took `seconds` (its rate: nbytes / 2 / seconds)."""
     measured = PathTiming()
     measured.answered(rtt_s)
-    measured.received(nbytes, nbytes // 2, 10.0, 10.0 + seconds)
+    measured.landed(nbytes // 2, 10.0)
+    measured.landed(nbytes - nbytes // 2, 10.0 + seconds)
     return measured
 
 
@@ -68,30 +69,60 @@ def test_each_source_is_smoothed_and_the_latest_kept() -> None:
 
 
 def test_several_streams_at_once_count_together() -> None:
-    """The registry's pieces come over several streams at once: their second halves' bytes over
-    their span, and the shortest round trip."""
+    """Two streams at once, each 1,000 bytes a second: 2,000 together, and the shortest round
+    trip."""
     measured = PathTiming()
-    for half_at, rtt in ((0.0, 0.2), (0.1, 0.1)):
+    for rtt in (0.2, 0.1):
         measured.answered(rtt)
-        measured.received(1000, 500, half_at, half_at + 1.0)
-    assert measured.rtt_s == 0.1 and measured.rate_bps() == pytest.approx(1000 * 8 / 1.1)
-    assert measured.bytes == 2000
+    for tick in range(1, 11):  # the two streams' chunks interleaved, 100 bytes each per 0.1 s
+        measured.landed(100, tick / 10)
+        measured.landed(100, tick / 10 + 0.01)
+    assert measured.rtt_s == 0.1 and measured.bytes == 2000
+    assert measured.rate_bps() == pytest.approx(1000 * 8 / 0.5)  # 1,000 bytes after the middle in 0.5 s
     assert PathTiming().rate_bps() is None
-    measured.received(1000, 0, None, 5.0)  # a stream that stopped before its middle: bytes only
-    assert measured.bytes == 3000 and measured.rate_bps() == pytest.approx(1000 * 8 / 1.1)
+    one = PathTiming()
+    one.landed(1000, 5.0)  # all at once: no span to divide by
+    assert one.bytes == 1000 and one.rate_bps() is None
+
+
+def test_pieces_one_request_after_another_read_the_path_rate() -> None:
+    """The registry sends a relay's head one piece per request, one after another, at 100 Mbit/s:
+    the path reads 100 Mbit/s. (Rated per request, each request's second half over the span from
+    the first to the last, it read about half of it, and the measured tree then let every worker
+    serve two or three children where the chain was as fast.)"""
+    measured = PathTiming()
+    piece, rate = 4 << 20, 1e8
+    at = 0.0
+    for _ in range(16):
+        at += 0.1  # the request's round trip: no bytes
+        for _ in range(64):  # the piece in 64 chunks at the path's rate
+            at += piece / 64 * 8 / rate
+            measured.landed(piece // 64, at)
+    # The last eight pieces, each with its turnaround (0.1 s against 0.34 s of transfer): 77 Mbit/s.
+    assert measured.rate_bps() == pytest.approx(piece * 8 / (0.1 + piece * 8 / rate))
 
 
 def test_a_relayed_stream_is_rated_by_its_second_half() -> None:
     """A stream that drains its source's backlog at 1 Gbit/s and then flows at the 100 Mbit/s its
     source receives is measured at 100 Mbit/s, not the average of both."""
-    half = HalfWay(0, 2_000_000)
-    clock = iter([0.008, 0.16])  # the middle byte 8 ms in (the backlog), the last 160 ms in
-    half.passed(999_999, lambda: 0.0)
-    half.passed(1_000_000, lambda: next(clock))
-    half.passed(1_500_000, lambda: next(clock))  # past the middle: the clock is read once
     measured = PathTiming()
-    measured.received(2_000_000, half.tail(2_000_000), half.at, 0.088)
-    assert half.at == 0.008 and measured.rate_bps() == pytest.approx(1e8)
+    for i in range(1, 11):  # the backlog: 1 MB in 8 ms
+        measured.landed(100_000, 0.0008 * i)
+    for i in range(1, 11):  # then 1 MB at 100 Mbit/s
+        measured.landed(100_000, 0.008 + 0.008 * i)
+    assert measured.rate_bps() == pytest.approx(1e8)
+
+
+def test_a_long_fetch_keeps_few_arrivals_and_its_rate() -> None:
+    """A fetch of many chunks keeps at most MAX_ARRIVALS of them, the last always, and still
+    reads its second half's rate: 50 MB at 1 Gbit/s after 50 MB at 2."""
+    measured = PathTiming()
+    chunk, at = 10_000, 0.0
+    for i in range(10_000):
+        at += chunk * 8 / (2e9 if i < 5_000 else 1e9)
+        measured.landed(chunk, at)
+    assert len(measured.arrivals) <= MAX_ARRIVALS and measured.arrivals[-1] == (at, 10_000 * chunk)
+    assert measured.rate_bps() == pytest.approx(1e9, rel=1e-3)
 
 
 def test_the_peers_wait_is_read_from_server_timing() -> None:
