@@ -29,7 +29,9 @@ plans the patch's tree for every live worker at the patch's base (`_plan`), by a
 
 - a node's first byte comes at its parent's + the pair's RTT / 2 + one piece ÷ the pair's rate,
   and the object flows into it at the slowest rate on its path from the registry; its finish is
-  first byte + size ÷ that rate;
+  first byte + size ÷ that rate. A pair that was not holder → asker on the last version streams
+  on a new connection: its first byte also waits out slow start, RTT × log2(rate × RTT ÷ TCP's
+  initial window) (~1 s at 100 ms and 1 Gbit/s), so a tree moves only where it gains more;
 - a pair not measured is estimated from its ends: the holder's uplink share, and the mean of the
   two ends' round trips. A holder's uplink is the most it was measured to deliver (one
   stream, or its children of the last version together). Cut-through caps a stream at what its
@@ -61,6 +63,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import logging
 import math
 import re
 import statistics
@@ -74,6 +77,8 @@ from shared.relay import REGISTRY_SOURCE, PathSample
 _PATCH = re.compile(r"^patches/(\d+)-(\d+)\.patch$")
 _TARGET = re.compile(r"^(?:patches|merged)/\d+-(\d+)\.patch$|^snapshots/(\d+)\.safetensors$")
 
+log = logging.getLogger(__name__)
+
 REGISTRY = ""  # the registry as a holder in measured pairs and plans (a worker id is never empty)
 # A holder whose streams carried at least this share of what it received was held back by its own
 # inflow (cut-through), not by its uplink: the measurement bounds its uplink from below only.
@@ -83,6 +88,10 @@ HELD_BACK = 0.8
 LEAF_BELOW = 0.5
 # A new plan replaces the last version's tree only if everyone holds the patch this much sooner.
 GAIN = 0.2
+# TCP's initial window (RFC 6928: 10 segments): a pair that was not holder → asker on the last
+# version streams on a new (or long idle) connection, whose window doubles each round trip from
+# here until it holds the pair's rate × round trip: log2 of their ratio round trips lost.
+INITIAL_WINDOW_BYTES = 10 * 1448
 TreeKind = Literal["chain", "measured"]
 
 
@@ -146,6 +155,7 @@ class _Costs:
     def __init__(self, pairs: Mapping[tuple[str, str], PathSample], parents: Mapping[str, str],
                  target: float, piece_bytes: int, size: int) -> None:
         self.pairs, self.target = dict(pairs), target  # as they were when planned
+        self.parents = dict(parents)  # the last version's tree: its pairs' connections are warm
         # A new head's first stream is measured on a cold connection: were an unmeasured head
         # costed at the target, every version would move the head to one never measured, and each
         # move costs the next version a cold start (measured: the head changed every other version).
@@ -212,11 +222,21 @@ class _Costs:
         ends = (self.end_rtt.get(holder, self.typical_rtt), self.end_rtt.get(asker, self.typical_rtt))
         return sum(ends) / 2
 
+    def cold_start_s(self, holder: str, asker: str, rate: float) -> float:
+        """What a new connection costs the pair before it streams at `rate`: none for the last
+        version's parent (its connection kept warm between versions), else slow start's round
+        trips (INITIAL_WINDOW_BYTES). Measured: each change of tree on equal links cost the next
+        version 2-3× its time (docs/registry.md, "A tree chosen by measured paths")."""
+        if self.parents.get(asker) == holder:
+            return 0.0
+        rtt = self.rtt(holder, asker)
+        return rtt * max(0.0, math.log2(rate * rtt / 8 / INITIAL_WINDOW_BYTES))
+
     def via(self, tree: _Tree, holder: str, asker: str) -> tuple[float, float, float]:
         """(finish, first byte, inflow rate) of `asker` fetching from `holder` in `tree`."""
         first, inflow = tree.flow[holder]
         rate = max(self.rate(holder, asker), 1.0)
-        first += self.rtt(holder, asker) / 2 + self.piece_bits / rate
+        first += self.rtt(holder, asker) / 2 + self.piece_bits / rate + self.cold_start_s(holder, asker, rate)
         inflow = min(inflow, rate)
         return first + self.bits / max(inflow, 1.0), first, inflow
 
@@ -396,6 +416,8 @@ class PeerDirectory:
                     state.plans[key] = self._plan(state, key, (sizes or {}).get(key))
                 elif (plan := state.plans[key]) is not None and worker not in plan.tree.index:
                     plan.place(worker)
+                    log.info("peer tree for %s: %s joined late, under %s", key, worker,
+                             plan.tree.parent.get(worker) or "no one")
         if state.changed is not None:
             state.changed.set()
             state.changed = None
@@ -415,7 +437,12 @@ class PeerDirectory:
         kept = costs.grow_any(workers, rank, state.parent)
         if best is None or (kept is not None and best.makespan >= (1 - self.gain) * kept.makespan):
             best = kept
-        return None if best is None else _Plan(best, costs)
+        if best is None:
+            return None
+        log.info("peer tree for %s over %d workers (%s, %.2fs planned; target %.0f Mbit/s): %s", key,
+                 len(workers), "kept" if best is kept else "new", best.makespan, costs.target / 1e6,
+                 ", ".join(f"{best.parent.get(w) or 'registry'}→{w}" for w in best.order))
+        return _Plan(best, costs)
 
     def awaited(self, run: str, worker: str, objects: list[str]) -> dict[str, list[str]]:
         """Per single-version patch among `objects` (those `worker` starts to fetch), the live
