@@ -48,7 +48,9 @@ plans the patch's tree for every live worker at the patch's base (`_plan`), by a
   leaf: its end), the fastest leaves may serve one, as few as it takes.
 
 Hysteresis keeps connections warm: the tree of the last version's parents (`parent`) is costed
-the same way, and the new plan replaces it only if its last finish is more than `gain` sooner.
+the same way, and the new plan replaces it only if its last finish is more than `gain` sooner. The
+new plan is the sooner of the greedy tree from scratch and the greedy tree that keeps the last
+tree's pairs but those of its leaves (a leaf goes last; its children choose again).
 Without a registry measurement, or the patch's size, the patch gets the chain. Each asker is
 listed its planned parent first, then other holders placed before it in the plan (its ancestors
 first): the plan's order is one in which every holder listed comes before the asker, so no cycle.
@@ -433,8 +435,16 @@ class PeerDirectory:
         rank = {w: p.rank for w, p in state.peers.items()}
         workers = [w for w, p in state.peers.items()
                    if key in p.objects or any(target_version(k) == base for k in p.objects)]
-        best = costs.grow_any(workers, rank, {})
         kept = costs.grow_any(workers, rank, state.parent)
+        # Greedy from scratch breaks ties between equally cold pairs by a millisecond of round trip
+        # and may break up warm runs of the last tree; the last tree less its leaves (they go last)
+        # and their children's places keeps every other warm pair (measured: two slow uplinks kept
+        # the chain because the scratch tree paid three slow starts on the way to its last worker).
+        repaired = {w: p for w, p in state.parent.items()
+                    if costs.cap(w) > 0 and (p == REGISTRY or costs.cap(p) > 0)}
+        grown = [t for t in (costs.grow_any(workers, rank, {}), costs.grow_any(workers, rank, repaired))
+                 if t is not None]
+        best = min(grown, key=lambda t: t.makespan, default=None)
         if best is None or (kept is not None and best.makespan >= (1 - self.gain) * kept.makespan):
             best = kept
         if best is None:

@@ -212,6 +212,19 @@ def test_equal_links_keep_the_chain_the_workers_are_on() -> None:
         assert is_chain(version(peers, v))
 
 
+def test_a_slow_uplink_goes_last_and_the_rest_keep_their_warm_pairs() -> None:
+    """b serves at a tenth of R and g is a millisecond nearer than the rest. From scratch, greedy
+    takes g first among equally cold pairs and breaks the chain twice more on the way to b; moving
+    only b (to the end) keeps every other pair's warm connection and all hold the patch sooner."""
+    reports = chain_reports(slow={"b": R / 10})
+    reports["g"] = {url("f"): measured(0.099, R / 10)}
+    peers = PeerDirectory(tree="measured")
+    join(peers)
+    report(peers, reports)
+    firsts = version(peers, 1)
+    assert is_chain(firsts, "acdefghb")
+
+
 def test_hysteresis_keeps_the_tree_on_a_small_change_and_moves_it_on_a_large_one() -> None:
     # The equal links of the test above: the best tree is 3 % sooner than the chain in the model.
     small = chain_reports()
