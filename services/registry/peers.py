@@ -36,7 +36,9 @@ plans the patch's tree for every live worker at the patch's base (`_plan`), by a
   two ends' round trips. A holder's uplink is the most it was measured to deliver (one
   stream, or its children of the last version together). Cut-through caps a stream at what its
   holder receives, so a holder that delivered about what it received from its own last parent
-  (HELD_BACK) was not seen to limit anything: its uplink counts as at least the target rate;
+  (HELD_BACK) was not seen to limit anything: its uplink counts as at least the target rate,
+  unless it was once seen delivering less than it received: then that figure stands (`limits`)
+  until it is measured delivering more;
 - the target rate is what the registry delivers to its child, the rate the object enters the
   tree at (the most measured); a head not yet measured is costed at the least measured, so the
   head moves only for a measured gain. A holder serves at most uplink ÷ target children (`cap`),
@@ -155,7 +157,8 @@ class _Costs:
     registry measurement or a size."""
 
     def __init__(self, pairs: Mapping[tuple[str, str], PathSample], parents: Mapping[str, str],
-                 target: float, piece_bytes: int, size: int) -> None:
+                 target: float, piece_bytes: int, size: int, limits: dict[str, float] | None = None,
+                 ) -> None:
         self.pairs, self.target = dict(pairs), target  # as they were when planned
         self.parents = dict(parents)  # the last version's tree: its pairs' connections are warm
         # A new head's first stream is measured on a cold connection: were an unmeasured head
@@ -181,20 +184,29 @@ class _Costs:
         self.end_rtt = {node: statistics.fmean(rtts) for node, rtts in ends.items()}
         self.typical_rtt = statistics.median(m.rtt_s for m in pairs.values())
         self.uplink: dict[str, float] = {}
+        # A holder once seen limited by its own uplink (delivering less than it received) keeps that
+        # figure (`limits`, kept by the directory across versions) until it delivers more: moved
+        # behind another slow worker it receives slowly too, and its old measure would then read
+        # as held back by its inflow (measured: two slow uplinks took turns at the chain's end).
+        self.limits = {} if limits is None else limits
         for holder, samples in sent.items():
-            uplink = max(max(rate for _, rate in samples),
-                         sum(rate for asker, rate in samples if parents.get(asker) == holder))
-            if any(self._held_back(holder, rate) for _, rate in samples):
+            most = max(rate for _, rate in samples)
+            uplink = max(most, sum(rate for asker, rate in samples if parents.get(asker) == holder))
+            if limited := [rate for _, rate in samples if not self._held_back(holder, rate)]:
+                self.limits[holder] = max(limited)
+            elif most > self.limits.get(holder, 0.0):
+                self.limits.pop(holder, None)  # it has since delivered more: the old limit is gone
+            if holder not in self.limits and any(self._held_back(holder, rate) for _, rate in samples):
                 uplink = max(uplink, target)
             self.uplink[holder] = uplink
 
     @classmethod
     def of(cls, pairs: Mapping[tuple[str, str], PathSample], parents: Mapping[str, str], piece_bytes: int,
-           size: int | None) -> _Costs | None:
+           size: int | None, limits: dict[str, float] | None = None) -> _Costs | None:
         target = max((m.rate_bps for (holder, _), m in pairs.items() if holder == REGISTRY), default=0.0)
         if target <= 0 or not size:
             return None
-        return cls(pairs, parents, target, piece_bytes, size)
+        return cls(pairs, parents, target, piece_bytes, size, limits)
 
     def _held_back(self, holder: str, rate: float) -> bool:
         return rate >= HELD_BACK * self.inflow.get(holder, math.inf)
@@ -244,21 +256,28 @@ class _Costs:
 
     def grow_any(self, workers: list[str], rank: Mapping[str, int], fixed: Mapping[str, str]) -> _Tree | None:
         """`grow`, letting leaves serve one child, the fastest first, only as many as it takes for
-        a tree to fit (with caps of one, a chain has room for a single leaf: its end)."""
-        leaves = sorted((w for w in workers if self.cap(w) == 0), key=lambda w: -self.uplink.get(w, 0.0))
+        a tree to fit (with caps of one, a chain has room for a single leaf: its end); or as many
+        of the fastest other workers one child more, if that finishes sooner (a slow leaf feeding
+        another makes both slow)."""
+        by_uplink = sorted(workers, key=lambda w: -self.uplink.get(w, self.target))
+        leaves = [w for w in by_uplink if self.cap(w) == 0]
         for promoted in range(len(leaves) + 1):
             tree = self.grow(workers, rank, fixed, frozenset(leaves[:promoted]))
             if tree is not None:
-                return tree
-        return None
+                break
+        if tree is None or not promoted:
+            return tree
+        fast = [w for w in by_uplink if self.cap(w) > 0][:promoted]
+        wider = self.grow(workers, rank, fixed, frozenset(fast))
+        return wider if wider is not None and wider.makespan < tree.makespan else tree
 
     def grow(self, workers: list[str], rank: Mapping[str, int], fixed: Mapping[str, str],
              promoted: frozenset[str] = frozenset()) -> _Tree | None:
         """Greedy earliest finish (module docstring). A worker in `fixed` is attached under that
         parent once it is in the tree, whatever its cap (the registry's stays one); a `promoted`
-        leaf may serve one. None if the caps leave a worker no room."""
+        worker may serve one more. None if the caps leave a worker no room."""
         def cap(node: str) -> int:
-            return max(self.cap(node), 1) if node in promoted else self.cap(node)
+            return self.cap(node) + 1 if node in promoted else self.cap(node)
 
         members = set(workers)
         fixed = {w: p for w, p in fixed.items() if w in members and (p == REGISTRY or p in members)}
@@ -337,6 +356,7 @@ class _RunPeers:
     # Measured paths, (holder, asker) → as the asker last reported them (the registry: REGISTRY).
     paths: dict[tuple[str, str], PathSample] = field(default_factory=dict)
     parent: dict[str, str] = field(default_factory=dict)  # worker → first listed on its newest patch
+    limits: dict[str, float] = field(default_factory=dict)  # worker → uplink it was seen limited at
     plans: dict[str, _Plan | None] = field(default_factory=dict)  # patch → its tree (None: the chain)
 
     def forget_departed(self) -> None:
@@ -345,6 +365,7 @@ class _RunPeers:
         self.paths = {pair: m for pair, m in self.paths.items()
                       if (pair[0] == REGISTRY or pair[0] in live) and pair[1] in live}
         self.parent = {w: p for w, p in self.parent.items() if w in live}
+        self.limits = {w: rate for w, rate in self.limits.items() if w in live}
 
 
 class PeerDirectory:
@@ -428,7 +449,7 @@ class PeerDirectory:
     def _plan(self, state: _RunPeers, key: str, size: int | None) -> _Plan | None:
         """The tree for a new single-version patch over every live worker at its base (module
         docstring), or None (the chain) without the figures for one."""
-        costs = _Costs.of(state.paths, state.parent, self.piece_bytes, size)
+        costs = _Costs.of(state.paths, state.parent, self.piece_bytes, size, state.limits)
         if costs is None:
             return None
         base = _base_of_next_patch(key)

@@ -225,6 +225,25 @@ def test_a_slow_uplink_goes_last_and_the_rest_keep_their_warm_pairs() -> None:
     assert is_chain(firsts, "acdefghb")
 
 
+def test_a_slow_uplink_moved_behind_another_stays_a_leaf() -> None:
+    """b and c both serve at a tenth of R, c hidden behind b (it forwards what b sends it). The
+    first plan sends b last; then c, now fed at R by a, is seen slow too, and b, now fed slowly
+    by the workers behind c, delivers what it receives: its old measure (a tenth while it received
+    R) still says its uplink is slow. Both end up leaves, behind every fast worker (a fast one
+    serving one more child rather than one slow leaf feeding the other)."""
+    peers = PeerDirectory(tree="measured")
+    join(peers)
+    report(peers, chain_reports(slow={"b": R / 10, "c": R / 10}))
+    firsts = version(peers, 1)
+    assert is_chain(firsts, "acdefghb")
+    # What the workers measured on that chain: c at R from a, everyone after c at a tenth, b too.
+    after = chain_reports("acdefghb", slow={"c": R / 10})
+    report(peers, after, held=key(1))
+    firsts = version(peers, 2)
+    assert all(not {"b", "c"} & set(route(firsts, w)) for w in "adefgh")
+    assert url("b") not in firsts.values() and url("c") not in firsts.values()  # neither feeds anyone
+
+
 def test_hysteresis_keeps_the_tree_on_a_small_change_and_moves_it_on_a_large_one() -> None:
     # The equal links of the test above: the best tree is 3 % sooner than the chain in the model.
     small = chain_reports()
