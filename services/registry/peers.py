@@ -47,7 +47,8 @@ plans the patch's tree for every live worker at the patch's base (`_plan`), by a
 - greedy earliest finish: from the registry, repeatedly attach the worker whose finish under some
   attached node with room is the smallest (ties by rank), never filling the last room while
   workers remain. If caps leave no room for everyone (with caps of one, a chain has room for one
-  leaf: its end), the fastest leaves may serve one, as few as it takes.
+  leaf: its end), the fastest leaves may serve one, as few as it takes, or as many of the
+  fastest other workers one child more, whichever finishes sooner.
 
 Hysteresis keeps connections warm: the tree of the last version's parents (`parent`) is costed
 the same way, and the new plan replaces it only if its last finish is more than `gain` sooner. The
@@ -239,8 +240,8 @@ class _Costs:
     def cold_start_s(self, holder: str, asker: str, rate: float) -> float:
         """What a new connection costs the pair before it streams at `rate`: none for the last
         version's parent (its connection kept warm between versions), else slow start's round
-        trips (INITIAL_WINDOW_BYTES). Measured: each change of tree on equal links cost the next
-        version 2-3× its time (docs/registry.md, "A tree chosen by measured paths")."""
+        trips (INITIAL_WINDOW_BYTES). Measured: each change of tree on equal links made its version
+        3-5× slower (docs/registry.md, "A tree chosen by measured paths")."""
         if self.parents.get(asker) == holder:
             return 0.0
         rtt = self.rtt(holder, asker)
