@@ -158,7 +158,7 @@ class _Costs:
     registry measurement or a size."""
 
     def __init__(self, pairs: Mapping[tuple[str, str], PathSample], parents: Mapping[str, str],
-                 target: float, piece_bytes: int, size: int, limits: dict[str, float] | None = None,
+                 target: float, piece_bytes: int, size: int, limits: Mapping[str, float] | None = None,
                  ) -> None:
         self.pairs, self.target = dict(pairs), target  # as they were when planned
         self.parents = dict(parents)  # the last version's tree: its pairs' connections are warm
@@ -186,10 +186,11 @@ class _Costs:
         self.typical_rtt = statistics.median(m.rtt_s for m in pairs.values())
         self.uplink: dict[str, float] = {}
         # A holder once seen limited by its own uplink (delivering less than it received) keeps that
-        # figure (`limits`, kept by the directory across versions) until it delivers more: moved
-        # behind another slow worker it receives slowly too, and its old measure would then read
-        # as held back by its inflow (measured: two slow uplinks took turns at the chain's end).
-        self.limits = {} if limits is None else limits
+        # figure (`limits`: the last plan's, updated here; the directory keeps them across
+        # versions) until it delivers more: moved behind another slow worker it receives slowly too,
+        # and its old measure would then read as held back by its inflow (measured: two slow
+        # uplinks took turns at the chain's end).
+        self.limits = dict(limits or {})
         for holder, samples in sent.items():
             most = max(rate for _, rate in samples)
             uplink = max(most, sum(rate for asker, rate in samples if parents.get(asker) == holder))
@@ -197,13 +198,13 @@ class _Costs:
                 self.limits[holder] = max(limited)
             elif most > self.limits.get(holder, 0.0):
                 self.limits.pop(holder, None)  # it has since delivered more: the old limit is gone
-            if holder not in self.limits and any(self._held_back(holder, rate) for _, rate in samples):
+            if holder not in self.limits:  # every sample held back, and never seen limited
                 uplink = max(uplink, target)
             self.uplink[holder] = uplink
 
     @classmethod
     def of(cls, pairs: Mapping[tuple[str, str], PathSample], parents: Mapping[str, str], piece_bytes: int,
-           size: int | None, limits: dict[str, float] | None = None) -> _Costs | None:
+           size: int | None, limits: Mapping[str, float] | None = None) -> _Costs | None:
         target = max((m.rate_bps for (holder, _), m in pairs.items() if holder == REGISTRY), default=0.0)
         if target <= 0 or not size:
             return None
@@ -237,21 +238,20 @@ class _Costs:
         ends = (self.end_rtt.get(holder, self.typical_rtt), self.end_rtt.get(asker, self.typical_rtt))
         return sum(ends) / 2
 
-    def cold_start_s(self, holder: str, asker: str, rate: float) -> float:
+    def cold_start_s(self, holder: str, asker: str, rate: float, rtt: float) -> float:
         """What a new connection costs the pair before it streams at `rate`: none for the last
         version's parent (its connection kept warm between versions), else slow start's round
         trips (INITIAL_WINDOW_BYTES). Measured: each change of tree on equal links made its version
         3-5× slower (docs/registry.md, "A tree chosen by measured paths")."""
         if self.parents.get(asker) == holder:
             return 0.0
-        rtt = self.rtt(holder, asker)
         return rtt * max(0.0, math.log2(rate * rtt / 8 / INITIAL_WINDOW_BYTES))
 
     def via(self, tree: _Tree, holder: str, asker: str) -> tuple[float, float, float]:
         """(finish, first byte, inflow rate) of `asker` fetching from `holder` in `tree`."""
         first, inflow = tree.flow[holder]
-        rate = max(self.rate(holder, asker), 1.0)
-        first += self.rtt(holder, asker) / 2 + self.piece_bits / rate + self.cold_start_s(holder, asker, rate)
+        rate, rtt = max(self.rate(holder, asker), 1.0), self.rtt(holder, asker)
+        first += rtt / 2 + self.piece_bits / rate + self.cold_start_s(holder, asker, rate, rtt)
         inflow = min(inflow, rate)
         return first + self.bits / max(inflow, 1.0), first, inflow
 
@@ -453,6 +453,7 @@ class PeerDirectory:
         costs = _Costs.of(state.paths, state.parent, self.piece_bytes, size, state.limits)
         if costs is None:
             return None
+        state.limits = costs.limits
         base = _base_of_next_patch(key)
         rank = {w: p.rank for w, p in state.peers.items()}
         workers = [w for w, p in state.peers.items()

@@ -202,7 +202,7 @@ def test_equal_links_keep_the_chain_the_workers_are_on() -> None:
     chain at 100 ms. But each moved worker streams on a new connection, whose slow start costs
     ~8 round trips to reach the target: costed so, the best tree is 3 % sooner than the chain, and
     the chain stays (it would take 20 %). (Measured before: the tree left the chain, and each change
-    cost the next version 2-3× its time.)"""
+    made its version 3-5× slower.)"""
     reports = chain_reports()
     reports["a"][REGISTRY_SOURCE] = measured(RTT, R / 3)
     peers = PeerDirectory(tree="measured")
