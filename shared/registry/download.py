@@ -174,11 +174,13 @@ class PathTiming:
             self.arrivals = self.arrivals[(len(self.arrivals) - 1) % 2 :: 2]
 
     def rate_bps(self) -> float | None:
-        """Bits per second from the arrival that passed half the bytes to the last one, None
+        """Bits per second from the arrival that passed half the bytes to the last one (the one
+        before it when the last passed half: a chunk that brought most of a small answer), None
         without a span to divide by."""
-        if not self.arrivals:
+        if len(self.arrivals) < 2:
             return None
         middle = bisect.bisect_left(self.arrivals, self.bytes / 2, key=lambda arrival: arrival[1])
+        middle = min(middle, len(self.arrivals) - 2)
         (since, before), last = self.arrivals[middle], self.arrivals[-1][0]
         if last <= since:
             return None
@@ -251,6 +253,7 @@ class Downloader:
                         raise RegistryHTTPError(response.status_code, "expected a 206 range answer")
                     if timing is not None:
                         timing.answered(loop.time() - sent)
+                        timing.landed(0, loop.time())  # the body starts: an answer in one chunk has a span
                     # Chunks as the socket delivers them (no re-chunking copies).
                     async for chunk in response.aiter_raw():
                         if self.bucket:

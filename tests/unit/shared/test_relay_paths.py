@@ -85,6 +85,21 @@ def test_several_streams_at_once_count_together() -> None:
     assert one.bytes == 1000 and one.rate_bps() is None
 
 
+def test_a_small_answer_whose_last_chunk_brings_most_still_has_a_rate() -> None:
+    """A small answer in two chunks, the last one most of it (CI once read no rate for the
+    registry's path here: the arrival that passed half the bytes was the last one). The span is
+    from the chunk before; an answer in one chunk is rated from its headers (the registry's
+    fetch notes a zero-byte arrival when they come)."""
+    two = PathTiming()
+    two.landed(100, 1.0)
+    two.landed(900, 1.1)
+    assert two.rate_bps() == pytest.approx(900 * 8 / 0.1)
+    headers_then_body = PathTiming()
+    headers_then_body.landed(0, 2.0)
+    headers_then_body.landed(4096, 2.01)
+    assert headers_then_body.rate_bps() == pytest.approx(4096 * 8 / 0.01)
+
+
 def test_pieces_one_request_after_another_read_the_path_rate() -> None:
     """The registry sends a relay's head one piece per request, one after another, at 100 Mbit/s:
     the path reads 100 Mbit/s. (Rated per request, each request's second half over the span from
