@@ -60,6 +60,9 @@ class AdditionTask(Task):
             out.append((f"add {a}+{b}\n", str(a + b)))
         return out
 
+    def levels(self) -> list[Task]:
+        return [AdditionTask(d, d, self.scratchpad) for d in range(self.min_digits, self.max_digits + 1)]
+
     def demonstration(self, prompt: str, answer: str) -> str:
         m = _PROMPT.match(prompt)
         if m is None:

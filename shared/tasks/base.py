@@ -30,6 +30,11 @@ class Task(ABC):
         """Raise ValueError unless reward() can score completions against `answer`. The trainer
         checks every prompt when it is submitted, so a bad answer never reaches a worker."""
 
+    def levels(self) -> list[Task]:
+        """The task split by difficulty, each level a task of its own (addition: one per operand
+        length). A task without levels is its only one."""
+        return [self]
+
     def demonstration(self, prompt: str, answer: str) -> str:
         """A reference completion (no EOS) for supervised warm-start; synthetic tasks only."""
         raise NotImplementedError(f"task {self.name!r} has no reference completions")

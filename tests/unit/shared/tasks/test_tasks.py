@@ -70,6 +70,18 @@ def test_addition_prompts_cycle_through_the_digit_counts():
     assert firsts == {3, 4, 5, 6}  # one prompt alone still gets any length
 
 
+def test_addition_levels_are_its_operand_lengths_and_other_tasks_are_one_level():
+    levels = get_task("addition", min_digits=3, max_digits=6, scratchpad="running").levels()
+    assert [level.make_prompts(1, 0)[0][0].index("+") - len("add ") for level in levels] == [3, 4, 5, 6]
+    for digits, level in enumerate(levels, start=3):
+        prompts = level.make_prompts(8, 1)
+        assert all(len(p.split("+")[1].strip()) == digits for p, _ in prompts)
+        assert level.scratchpad == "running"  # type: ignore[attr-defined]
+        assert all(level.reward(level.demonstration(p, a), a)[1] for p, a in prompts)
+    sorting = get_task("sorting")
+    assert sorting.levels() == [sorting]
+
+
 def test_running_scratchpad_restates_what_is_left():
     task = get_task("addition", min_digits=3, max_digits=5, scratchpad="running")
     assert (
