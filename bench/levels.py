@@ -16,16 +16,14 @@ import platform
 from pathlib import Path
 
 import torch
-from transformers import Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.rollout.engine import KVConfig
+from services.rollout.engine import KVConfig, LLMEngine
 from services.rollout.engine.evaluation import evaluate as evaluate_on_engine
 from services.trainer.evaluation import evaluate
-from services.trainer.eviction_masks import EvictionMasks
 from services.trainer.warmstart import DEMO_CACHE
 from shared.dtypes import compute_dtype
 from shared.tasks import Task, get_task
-from shared.tokenizer import build_tokenizer
 
 # Prompt seeds apart from the warm start's checks (7_000_001 + step and up) and held-out sets.
 PROMPT_SEED = 4242
@@ -34,10 +32,10 @@ PROMPT_SEED = 4242
 def levels_report(model_dir: str | Path, task_name: str, task_options: dict, prompts: int,
                   seed: int = 1) -> list[dict]:
     """One row per level: its prompts' first one, and the four accuracies."""
-    tokenizer = build_tokenizer()
-    model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     model = model.to(compute_dtype(torch.device("cpu"), torch.bfloat16))
-    engine = EvictionMasks(model.config, torch.device("cpu")).load(model.state_dict())
+    engine = LLMEngine.from_pretrained(model_dir)  # as a worker loads it
     cache = KVConfig.model_validate(DEMO_CACHE)
 
     def on_engine(level: Task, pairs: list[tuple[str, str]], kv: KVConfig) -> float:
