@@ -4,7 +4,10 @@ Per level (`Task.levels()`: addition's operand lengths) on the same fresh prompt
 dense sampled (T = 1) accuracy (transformers), and sampled under the demo's KV cache and without one
 on the rollout engine, bf16 weights as a worker holds them. What a warm start gives RL to work with:
 GRPO lifts a level the sampler sometimes gets right, not one it never does (docs/training.md, "A
-floor per operand length"). JSON to `--out` (with the machine's ISA cap, if any, from the env).
+floor per operand length"). The last line is the room for RL (`warmstart.room_for_rl`: the mean
+over levels of dense sampled minus sampled under the cache, where the cache leaves a level at least
+10 %), which tracked the demo's batch rise (docs/training.md, "Room for RL"). JSON to `--out` (with
+the machine's ISA cap, if any, from the env).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from services.rollout.engine import KVConfig, LLMEngine
 from services.rollout.engine.evaluation import evaluate as evaluate_on_engine
 from services.trainer.evaluation import evaluate
-from services.trainer.warmstart import DEMO_CACHE
+from services.trainer.warmstart import DEMO_CACHE, WarmstartRecipe, room_for_rl
 from shared.dtypes import compute_dtype
 from shared.tasks import Task, get_task
 
@@ -67,8 +70,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = levels_report(args.model_dir, args.task, json.loads(args.task_options), args.prompts)
+    floor = WarmstartRecipe().room_floor
+    room = room_for_rl([(r["dense_sampled"], r["engine_sampled_under_cache"]) for r in rows], floor)
+    print(json.dumps({"room_for_rl": room, "room_floor": floor}), flush=True)
     if args.out:
         report = {"command": "python -m bench.levels MODEL_DIR", "cache": DEMO_CACHE,
+                  "room_for_rl": room, "room_floor": floor,
                   "prompts_per_level": args.prompts, "machine": platform.processor() or platform.machine(),
                   "isa_cap": os.environ.get("ONEDNN_MAX_CPU_ISA"), "levels": rows}
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

@@ -26,7 +26,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -122,6 +122,23 @@ class WarmstartRecipe(BaseModel):
     # Above every stop measured on the AMD CPUs (dense 0.41-0.69 there).
     sampled_ceiling: float | None = 0.75
     evicted_check_prompts: int = 128
+    # How the SFT examples of a task spread over its levels (`Task.levels()`: addition's operand
+    # lengths). "uniform": every level alike. "loss": a level is drawn in proportion to its running
+    # per-token SFT loss (mixed with `level_uniform_share` of uniform draws, so a learned level is
+    # still rehearsed), so the SFT spends its steps where the model is still wrong and the levels are
+    # learned together rather than one after another (docs/training.md, "A curriculum by loss").
+    level_sampling: Literal["uniform", "loss"] = "uniform"
+    level_uniform_share: float = Field(default=0.25, ge=0.0, le=1.0)
+    # Stop by room for RL (eviction-aware recipes; replaces `evicted_target` and `sampled_ceiling`
+    # when set): once the dense check passes, each level of the first task is sampled densely and
+    # under `evict_kv` on the same `room_prompts` prompts, and the SFT stops once the mean over levels
+    # of (dense − under the cache) reaches `room_target`, a level counting only where the cache leaves
+    # it at least `room_floor` (below that a GRPO group of 8 seldom holds a success: no signal). That
+    # gap is what the demo's RL, sampled under the cache, can gain. If the bound comes first, the
+    # weights of the check with the most room are kept.
+    room_target: float | None = None
+    room_floor: float = 0.1
+    room_prompts: int = 64
 
     def fingerprint(self) -> str:
         """Hash of everything that determines the weights: recipe, vocab, code version."""
@@ -201,16 +218,59 @@ def _evicted_rows(evict: EvictionMasks, kv: KVConfig, model: Qwen3ForCausalLM, b
                        dict(zip(chosen, seen, strict=True)))
 
 
+def room_for_rl(levels: list[tuple[float, float]], floor: float) -> float:
+    """Mean over levels of (dense − under the cache) sampled accuracy, counting a level only where
+    the cache leaves it at least `floor`."""
+    return sum(max(0.0, dense - cached) for dense, cached in levels if cached >= floor) / max(1, len(levels))
+
+
 def _sample_examples(
-    tasks: dict[str, Task], mix: dict[str, float], n: int, rng: random.Random
-) -> list[tuple[str, str]]:
+    tasks: dict[str, Task], mix: dict[str, float], n: int, rng: random.Random,
+    level_weights: dict[str, list[float]] | None = None,
+) -> list[tuple[str, str, str, int]]:
+    """`n` (prompt, reference completion, task name, level index); a task's level is drawn by
+    `level_weights[task]` where given, else the task draws it (addition: a uniform length)."""
     names = sorted(mix)
     chosen = rng.choices(names, weights=[mix[k] for k in names], k=n)
     out = []
     for name in chosen:
-        prompt, answer = tasks[name].make_prompts(1, rng.getrandbits(63))[0]
-        out.append((prompt, tasks[name].demonstration(prompt, answer)))
+        task, level = tasks[name], -1
+        if level_weights is not None and name in level_weights:
+            levels = task.levels()
+            level = rng.choices(range(len(levels)), weights=level_weights[name])[0]
+            task = levels[level]
+        prompt, answer = task.make_prompts(1, rng.getrandbits(63))[0]
+        out.append((prompt, task.demonstration(prompt, answer), name, level))
     return out
+
+
+class LevelLoss:
+    """Running per-token SFT loss of each level of each task, and the draw weights it gives."""
+
+    def __init__(self, tasks: dict[str, Task], uniform_share: float, decay: float = 0.9) -> None:
+        self.levels = {name: len(task.levels()) for name, task in tasks.items()}
+        self.uniform_share, self.decay = uniform_share, decay
+        self.loss: dict[str, list[float | None]] = {name: [None] * k for name, k in self.levels.items()}
+
+    def update(self, names: list[str], levels: list[int], row_losses: list[float]) -> None:
+        batch: dict[tuple[str, int], list[float]] = {}
+        for name, level, loss in zip(names, levels, row_losses, strict=True):
+            batch.setdefault((name, level), []).append(loss)
+        for (name, level), values in batch.items():
+            mean, old = sum(values) / len(values), self.loss[name][level]
+            self.loss[name][level] = mean if old is None else self.decay * old + (1 - self.decay) * mean
+
+    def weights(self) -> dict[str, list[float]]:
+        out = {}
+        for name, k in self.levels.items():
+            seen = self.loss[name]
+            if any(v is None for v in seen) or sum(seen) <= 0:  # type: ignore[arg-type]
+                out[name] = [1.0 / k] * k  # every level once before any is favoured
+                continue
+            total = sum(seen)  # type: ignore[arg-type]
+            out[name] = [self.uniform_share / k + (1 - self.uniform_share) * v / total  # type: ignore[operator]
+                         for v in seen]
+        return out
 
 
 # SFT steps the warm starts of this process have taken. The trainer's liveness counts them as
@@ -254,13 +314,18 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
 
         evict, evict_kv = EvictionMasks(config, device), KVConfig.model_validate(recipe.evict_kv)
         model.set_attn_implementation(LAYER_MASKED)
+    best_room: tuple[float, int, dict[str, torch.Tensor]] | None = None
+    level_loss = LevelLoss(tasks, recipe.level_uniform_share) if recipe.level_sampling == "loss" else None
     model.train()
-    losses, checks = [], []
+    losses: list[float] = []
+    checks: list[dict[str, Any]] = []
     steps_done = 0
     for step in range(recipe.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
-        examples = _sample_examples(tasks, recipe.task_mix, recipe.batch_size, rng)
+        drawn = _sample_examples(tasks, recipe.task_mix, recipe.batch_size, rng,
+                                 level_loss.weights() if level_loss is not None else None)
+        examples = [(prompt, completion) for prompt, completion, _, _ in drawn]
         local = [rng.random() < recipe.local_attention for _ in examples] if recipe.local_attention else None
         batch = _sft_batch(examples, tokenizer, local, recipe.local_window)
         batch = {k: v.to(device) for k, v in batch.items()}
@@ -279,6 +344,13 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
             label_smoothing=recipe.label_smoothing,
         )
         loss.backward()
+        if level_loss is not None:
+            with torch.no_grad():
+                token_loss = torch.nn.functional.cross_entropy(
+                    logits.transpose(1, 2), labels[:, 1:], ignore_index=-100, reduction="none")
+                counted = (labels[:, 1:] != -100).sum(dim=1).clamp(min=1)
+                row_losses = (token_loss.sum(dim=1) / counted).tolist()
+            level_loss.update([name for _, _, name, _ in drawn], [level for *_, level in drawn], row_losses)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -301,12 +373,35 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
                 sample=True,
                 seed=step,
             )
-            checks.append({"step": step + 1, "sampled_accuracy": sampled["accuracy"]})
+            checks.append({"step": step + 1, "sampled_accuracy": sampled["accuracy"]}
+                          | ({"level_weights": level_loss.weights()} if level_loss is not None else {}))
             print(f"warmstart step {step + 1} sampled accuracy {sampled['accuracy']:.3f}", flush=True)
             if sampled["accuracy"] < recipe.sampled_target:
                 continue
-            if evict is None or recipe.evicted_target is None:
+            if evict is None or (recipe.evicted_target is None and recipe.room_target is None):
                 break
+            if recipe.room_target is not None:
+                engine = evict.load(model.state_dict())
+                per_level = []
+                for i, level in enumerate(first_task.levels()):
+                    pairs = level.make_prompts(recipe.room_prompts, 7_700_001 + 16 * step + i)
+                    per_level.append((
+                        evaluate(model, tokenizer, level, pairs, sample=True, seed=step)["accuracy"],
+                        evaluate_on_engine(engine, tokenizer, level, pairs, evict_kv, temperature=1.0,
+                                           batch=len(pairs), seed=step)["accuracy"]))
+                room = room_for_rl(per_level, recipe.room_floor)
+                checks[-1] |= {"levels_sampled": [d for d, _ in per_level],
+                               "levels_evicted_sampled": [c for _, c in per_level], "room": room}
+                print(f"warmstart step {step + 1} per level dense / under the cache "
+                      f"{' '.join(f'{d:.2f}/{c:.2f}' for d, c in per_level)}: room {room:.3f}", flush=True)
+                if best_room is None or room > best_room[0]:
+                    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                    best_room = (room, step + 1, weights)
+                if room >= recipe.room_target:
+                    best_room = None  # stopped on the target: these weights
+                    break
+                continue
+            assert recipe.evicted_target is not None
             evicted = evaluate_on_engine(
                 evict.load(model.state_dict()), tokenizer, first_task,
                 first_task.make_prompts(recipe.evicted_check_prompts, 7_500_001 + step), evict_kv,
@@ -320,6 +415,12 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
                 print(f"warmstart step {step + 1}: stopped at the dense ceiling {recipe.sampled_ceiling}",
                       flush=True)
                 break
+    restored_step = None
+    if best_room is not None and recipe.room_target is not None:  # the bound came first
+        restored_step = best_room[1]
+        model.load_state_dict(best_room[2])
+        print(f"warmstart: room target not reached; kept step {restored_step} (room {best_room[0]:.3f})",
+              flush=True)
     train_s = time.perf_counter() - started
 
     if evict is not None:
@@ -352,6 +453,7 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
         "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
         "train_seconds": round(train_s, 1), "total_seconds": round(time.perf_counter() - started, 1),
         "threads": recipe.threads, "steps_done": steps_done, "sampled_checks": checks, "eval": metrics,
+        "kept_step": restored_step or steps_done,
     }
     (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     (out_dir / STAMP_FILE).write_text(recipe.fingerprint() + "\n")
@@ -407,6 +509,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--threads", type=int, default=defaults.threads)
     parser.add_argument("--eval-prompts", type=int, default=defaults.eval_prompts)
+    parser.add_argument("--level-sampling", choices=["uniform", "loss"], default=defaults.level_sampling)
+    parser.add_argument("--room-target", type=float, default=defaults.room_target,
+                        help="stop by room for RL (eviction-aware recipes; see WarmstartRecipe.room_target)")
     parser.add_argument("--log-every", type=int, default=50)
     args = parser.parse_args(argv)
     if args.ensure:
@@ -416,7 +521,8 @@ def main(argv: list[str] | None = None) -> None:
         print("MODEL", ensure_warmstart_model(cache), flush=True)
         return
     recipe = WarmstartRecipe(steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
-                             threads=args.threads, eval_prompts=args.eval_prompts)
+                             threads=args.threads, eval_prompts=args.eval_prompts,
+                             level_sampling=args.level_sampling, room_target=args.room_target)
     report = train_warmstart(recipe, args.out, log_every=args.log_every)
     print(
         json.dumps({k: report[k] for k in ("final_loss", "train_seconds", "total_seconds", "eval")}, indent=2)

@@ -130,3 +130,86 @@ def test_the_stop_waits_for_the_sampled_accuracy_under_the_cache(tmp_path, monke
     under_cache = iter([0.1] * 20)
     uncapped = recipe.model_copy(update={"sampled_ceiling": None})
     assert train_warmstart(uncapped, tmp_path / "uncapped", log_every=0)["steps_done"] == 20
+
+
+def test_levels_are_drawn_by_their_running_loss():
+    """The "loss" curriculum: uniform until every level has a loss, then a level's share follows its
+    running per-token loss, with `uniform_share` of the draws still spread evenly."""
+    import random
+
+    from shared.tasks import get_task
+
+    tasks = {"addition": get_task("addition", min_digits=3, max_digits=6)}
+    level_loss = warmstart.LevelLoss(tasks, uniform_share=0.2, decay=0.5)
+    assert level_loss.weights() == {"addition": [0.25] * 4}
+    level_loss.update(["addition"] * 3, [0, 1, 2], [0.1, 0.1, 0.1])
+    assert level_loss.weights() == {"addition": [0.25] * 4}  # 6 digits not seen yet
+    level_loss.update(["addition"] * 2, [3, 3], [0.6, 0.8])
+    weights = level_loss.weights()["addition"]
+    assert weights[3] == pytest.approx(0.05 + 0.8 * 0.7) and weights[0] == pytest.approx(0.05 + 0.8 * 0.1)
+    level_loss.update(["addition"], [3], [0.1])  # running: 0.5 * 0.7 + 0.5 * 0.1
+    assert level_loss.loss["addition"][3] == pytest.approx(0.4)
+
+    drawn = warmstart._sample_examples(tasks, {"addition": 1.0}, 2000, random.Random(0),
+                                       {"addition": [0.1, 0.1, 0.1, 0.7]})
+    digits = [len(prompt.split("+")[1].strip()) for prompt, *_ in drawn]
+    assert [level for *_, level in drawn] == [d - 3 for d in digits]  # each example names its level
+    assert 0.65 < digits.count(6) / len(digits) < 0.75 and 0.07 < digits.count(3) / len(digits) < 0.13
+
+
+def test_the_loss_curriculum_is_a_recipe_of_its_own_and_deterministic(tmp_path):
+    """The "loss" curriculum is a recipe of its own (its own cache key) and byte-deterministic too."""
+    curriculum = SHORT.model_copy(update={"level_sampling": "loss", "steps": 4})
+    assert curriculum.fingerprint() != SHORT.model_copy(update={"steps": 4}).fingerprint()
+    first = train_warmstart(curriculum, tmp_path / "a", log_every=0)
+    train_warmstart(curriculum, tmp_path / "b", log_every=0)
+    assert _digest(tmp_path / "a") == _digest(tmp_path / "b") and first["steps_done"] == 4
+
+
+def test_room_for_rl_counts_the_gap_only_where_the_cache_leaves_a_signal():
+    # (dense, under the cache) per level: a learned level, one the cache hurts, one it breaks, one unlearned
+    levels = [(0.9, 0.9), (0.8, 0.2), (0.7, 0.05), (0.1, 0.0)]
+    assert warmstart.room_for_rl(levels, floor=0.1) == pytest.approx(0.6 / 4)
+    assert warmstart.room_for_rl(levels, floor=0.0) == pytest.approx((0.6 + 0.65 + 0.1) / 4)
+    assert warmstart.room_for_rl([(0.5, 0.7)], floor=0.1) == 0.0  # the cache ahead of dense is no room
+
+
+def _fake_checks(monkeypatch, cached_by_check: list[list[float]]):
+    """Dense checks at 0.6 overall and 0.8 per level; the cache's per-level accuracy from a schedule."""
+    import services.rollout.engine.evaluation as engine_evaluation
+
+    schedule = iter(cached_by_check)
+    current: list[float] = []
+
+    def dense_check(model, tokenizer, task, prompts, sample, seed=0):
+        return {"accuracy": 0.8 if task.min_digits == task.max_digits else 0.6, "mean_reward": 0.0}
+
+    def engine_check(engine, tokenizer, task, pairs, kv, temperature, batch, seed):
+        nonlocal current
+        if task.min_digits == 3:  # the first level: a new check
+            current = next(schedule)
+        return {"accuracy": current[task.min_digits - 3], "reward": 0.0, "length": 1.0, "kv_saved": 0.5}
+
+    monkeypatch.setattr(warmstart, "evaluate", dense_check)
+    monkeypatch.setattr(engine_evaluation, "evaluate", engine_check)
+
+
+def test_the_room_stop_waits_for_room_and_else_keeps_the_roomiest_check(tmp_path, monkeypatch):
+    recipe = WarmstartRecipe(steps=8, batch_size=2, eval_prompts=0, evict_share=0.5, evict_kv=SMALL_CACHE,
+                             check_from=2, check_every=2, room_target=0.2, room_prompts=2)
+    # rooms: 0.0 (all learned under the cache), 0.6 / 4 (6 digits below the floor), 1.4 / 4 -> stop at step 6
+    _fake_checks(monkeypatch, [[0.8] * 4, [0.8, 0.8, 0.2, 0.0], [0.8, 0.5, 0.3, 0.2], [0.8] * 4])
+    report = train_warmstart(recipe, tmp_path / "target", log_every=0)
+    assert report["steps_done"] == report["kept_step"] == 6
+    assert [c["room"] for c in report["sampled_checks"]] == pytest.approx([0.0, 0.15, 0.35])
+    assert report["sampled_checks"][1]["levels_evicted_sampled"] == [0.8, 0.8, 0.2, 0.0]
+
+    # The bound first: the weights of the roomiest check (step 4) are the ones saved, the same bytes
+    # as a run that stops there on its target.
+    _fake_checks(monkeypatch, [[0.8] * 4, [0.8, 0.8, 0.2, 0.0]])
+    assert train_warmstart(recipe.model_copy(update={"room_target": 0.15}), tmp_path / "at4",
+                           log_every=0)["steps_done"] == 4
+    _fake_checks(monkeypatch, [[0.8] * 4, [0.8, 0.8, 0.2, 0.0], [0.8] * 4, [0.8] * 4])
+    report = train_warmstart(recipe, tmp_path / "bound", log_every=0)
+    assert report["steps_done"] == 8 and report["kept_step"] == 4
+    assert _digest(tmp_path / "bound") == _digest(tmp_path / "at4")
