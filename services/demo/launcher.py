@@ -22,10 +22,14 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from services.demo.options import RUN, TASK, DemoOptions
 from services.demo.processes import Child, DemoFailed, Processes
+from services.trainer.kv_budget import KVControlSettings, kv_saved_share
+from shared.kv import DEMO_KV
 from shared.ports import free_port
+from shared.tasks import get_task
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 300.0  # a cold start imports torch in four processes on two cores at once
+REFERENCE_PROMPTS = 512  # the task's reference completions the first budget is sized on (seeded)
 
 console = Console(highlight=False)
 
@@ -210,7 +214,8 @@ class Stack:
         o = self.o
         if o.kv_calibrate is None or o.kv_policy == "dense":
             return
-        budgets = ",".join(str(b) for b in range(o.kv_budget, 2 * o.kv_budget + 1, 4))
+        first = o.kv_budget or DEMO_KV.budget
+        budgets = ",".join(str(b) for b in range(first, 2 * first + 1, 4))
         options = {"min_digits": o.digits[0], "max_digits": o.digits[1]} if o.digits else {}
         argv = ["--model", str(model_dir), "--task", TASK, "--task-options", json.dumps(options),
                 "--policy", o.kv_policy, "--buffer", str(self.kv_buffer), "--budgets", budgets,
@@ -244,11 +249,55 @@ class Stack:
         # The buffer it was measured with, also where a default one would follow the budget.
         self.o = dataclasses.replace(o, kv_budget=int(result["budget"]), kv_buffer=self.kv_buffer)
 
+    def resolve_kv_budget(self, model_dir: Path) -> None:
+        """The workers' first budget where none was given (DemoOptions.kv_budget): with the adaptive
+        controller and a floor on the KV saved, the largest budget within the controller's bounds whose
+        cache saves that floor on the task's reference completions, tokenized as the model's workers
+        will; otherwise DEMO_KV's. Sized from the task alone: no model runs."""
+        o = self.o
+        if o.kv_budget is not None:
+            return
+        budget, why = DEMO_KV.budget, "the demo's cache"
+        if o.kv_adaptive and o.kv_min_saved and o.kv_policy != "dense":
+            lengths = self._reference_lengths(model_dir)
+            if lengths:
+                lowest, highest = o.kv_min or 1, o.kv_max or KVControlSettings().max_budget
+                fits = [b for b in range(lowest, highest + 1)
+                        if kv_saved_share(lengths, b, o.kv_buffer or max(8, b // 2), o.kv_keep_prompt)
+                        >= o.kv_min_saved]
+                if fits:
+                    budget = max(fits)
+                    why = (f"the largest that saves {o.kv_min_saved:.0%} of the KV on the task's reference "
+                           "completions; the controller moves it from there")
+        self.o = dataclasses.replace(o, kv_budget=budget)
+        self.say(f"[green]✓[/] KV budget {budget}: {why}")
+
+    def _reference_lengths(self, model_dir: Path) -> list[tuple[int, int]]:
+        """(prompt, completion + EOS) token counts of the task's reference completions, by the model's
+        own tokenizer; empty where there is none to read or the task has no reference completions."""
+        from tokenizers import Tokenizer  # transformers' Rust core: no torch in the supervisor
+
+        path = model_dir / "tokenizer.json"
+        options = {"min_digits": self.o.digits[0], "max_digits": self.o.digits[1]} if self.o.digits else {}
+        task = get_task(TASK, **options)
+        if not path.is_file():
+            return []
+        tokenizer = Tokenizer.from_file(str(path))
+        lengths = []
+        for prompt, answer in task.make_prompts(REFERENCE_PROMPTS, self.o.seed):
+            try:
+                completion = task.demonstration(prompt, answer)
+            except NotImplementedError:
+                return []
+            lengths.append((len(tokenizer.encode(prompt).ids),
+                            len(tokenizer.encode(completion, add_special_tokens=False).ids) + 1))
+        return lengths
+
     @property
     def kv_buffer(self) -> int:
         # Re-compress every budget/2 tokens by default: addition completions are tens of tokens,
         # so the default interval of 128 (R-KV's) would never evict in this demo.
-        return self.o.kv_buffer or max(8, self.o.kv_budget // 2)
+        return self.o.kv_buffer or max(8, (self.o.kv_budget or DEMO_KV.budget) // 2)
 
     def start_trainer(self, model_dir: Path) -> None:
         port = free_port()
@@ -289,7 +338,8 @@ class Stack:
         o = self.o
         if not o.kv_adaptive or o.kv_policy == "dense":
             return {}
-        start = max(o.kv_budget, o.kv_min or o.kv_budget)
+        first = o.kv_budget or DEMO_KV.budget  # resolved before a real run (resolve_kv_budget)
+        start = max(first, o.kv_min or first)
         start = min(start, o.kv_max or start)
         given = {"MODE": "adaptive", "START_BUDGET": start, "TARGET": o.kv_target, "MIN_BUDGET": o.kv_min,
                  "MAX_BUDGET": o.kv_max, "MIN_SAVED": o.kv_min_saved or None}
@@ -310,7 +360,7 @@ class Stack:
                 "SPARSECAST_WORKER_TOKEN": self.worker_token,
                 "SPARSECAST_ADVERTISE_URL": url,
                 "SPARSECAST_KV__POLICY": self.o.kv_policy,
-                "SPARSECAST_KV__BUDGET": str(self.o.kv_budget),
+                "SPARSECAST_KV__BUDGET": str(self.o.kv_budget or DEMO_KV.budget),
                 "SPARSECAST_KV__BUFFER": str(self.kv_buffer),
                 "SPARSECAST_KV__KEEP_PROMPT": str(self.o.kv_keep_prompt).lower(),
                 # The trainer's eviction replay reads the workers' records instead of rerunning them.

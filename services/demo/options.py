@@ -19,7 +19,12 @@ class DemoOptions:
     workers: int = 2
     # The demo's cache, shared.kv.DEMO_KV (32 + 2, prompt evictable).
     kv_policy: str = DEMO_KV.policy
-    kv_budget: int = DEMO_KV.budget
+    # The workers' first budget. None: with the adaptive controller and its floor on the KV saved,
+    # the largest budget whose cache saves `kv_min_saved` on the task's reference completions (from
+    # 32 the controller went to 35-36 with its first versions in most runs, so their first batches
+    # were sampled under a tighter cache than the rest: docs/training.md, "The first batches"); else
+    # DEMO_KV's 32. Resolved by the launcher (Stack.resolve_kv_budget) before anything samples.
+    kv_budget: int | None = None
     groups_per_step: int = 16
     samples_per_prompt: int = 8
     keep_running: bool = False

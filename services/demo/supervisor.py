@@ -148,12 +148,14 @@ class Demo(Stack):
 
     def run(self) -> int:
         self.prepare()
+        budget = self.o.kv_budget or "sized below"
         self.say(f"[bold]sparsecast demo[/]: {self.o.workers} rollout workers ({self.o.kv_policy} KV, budget "
-                 f"{self.o.kv_budget}), {self.o.steps} steps; logs in {self.procs.log_dir}")
+                 f"{budget}), {self.o.steps} steps; logs in {self.procs.log_dir}")
         self.start_redis()
         self.start_registry()
         model_dir = self.warm_start_model()
         self.calibrate_kv(model_dir)
+        self.resolve_kv_budget(model_dir)
         # The trainer boots while the registry may still be starting: its registry client
         # retries refused connections, and loading the model takes longer anyway.
         self.start_trainer(model_dir)

@@ -109,8 +109,9 @@ def test_deployment_kv_defaults_are_the_demo_and_sparse_rl_ones() -> None:
 
     root = REPO_ROOT
     demo = DemoOptions()
-    assert (demo.kv_policy, demo.kv_budget, demo.kv_buffer, demo.kv_keep_prompt) == (
-        DEMO_KV.policy, DEMO_KV.budget, DEMO_KV.buffer, DEMO_KV.keep_prompt) == ("rkv", 32, 2, False)
+    assert (demo.kv_policy, demo.kv_buffer, demo.kv_keep_prompt) == (
+        DEMO_KV.policy, DEMO_KV.buffer, DEMO_KV.keep_prompt) == ("rkv", 2, False)
+    assert DEMO_KV.budget == 32 and demo.kv_budget is None  # the demo's first budget is sized per run
     # The flat names the warm start's recipe reads.
     assert (DEMO_KV_POLICY, DEMO_KV_BUDGET, DEMO_KV_BUFFER, DEMO_KV_KEEP_PROMPT) == (
         DEMO_KV.policy, DEMO_KV.budget, DEMO_KV.buffer, DEMO_KV.keep_prompt)

@@ -39,7 +39,7 @@ def test_on_by_default_from_the_demo_budget_with_the_trainer_defaults(monkeypatc
     assert options == DemoOptions()  # the demo's defaults are untouched
     kv = _trainer_settings(monkeypatch, options, tmp_path).kv_control
     defaults = TrainerSettings(data_dir=str(tmp_path)).kv_control  # what the demo leaves to the trainer
-    assert (kv.mode, kv.start_budget) == ("adaptive", DemoOptions().kv_budget)
+    assert (kv.mode, kv.start_budget) == ("adaptive", 32)  # unresolved (no model yet): DEMO_KV's
     assert (kv.metric, kv.target, kv.min_budget, kv.max_budget) == (
         defaults.metric, defaults.target, defaults.min_budget, defaults.max_budget)
     # The demo's floor on the KV saved (the trainer has none by default), and 0 for none.
@@ -74,6 +74,36 @@ def test_the_options_reach_the_trainer(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert cli.main(["demo", "--kv-adaptive", "--kv-min", "64", "--kv-max", "32"]) == cli.EXIT_USAGE
 
 
+def test_the_first_budget_is_where_the_floor_lets_the_controller_go(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Path) -> None:
+    """Without --kv-budget the workers and the controller start at the largest budget that saves the
+    floor on the task's reference completions (36 for addition 3-6 at 40 %: the budget the controller
+    otherwise reached after two batches sampled at 32); a given budget, no controller or no floor
+    keep the budget as before."""
+    from shared.tokenizer import build_tokenizer
+
+    model_dir = tmp_path / "model"
+    build_tokenizer().save_pretrained(model_dir)
+
+    def first_budget(*argv: str, where: Path = model_dir) -> tuple[int | None, dict[str, str]]:
+        stack = Stack(_options(monkeypatch, *argv))
+        stack.say = lambda text: None  # type: ignore[method-assign]
+        stack.resolve_kv_budget(where)
+        stack.http.close()
+        return stack.o.kv_budget, stack.kv_control_env()
+
+    budget, env = first_budget()
+    assert budget == 36 and env["SPARSECAST_KV_CONTROL__START_BUDGET"] == "36"
+    assert first_budget("--kv-min-saved", "0.45")[0] == 32  # 34 + 2 saves 43 %: below
+    assert first_budget("--kv-max", "34")[0] == 34  # within the controller's bounds
+    assert first_budget("--kv-budget", "20")[0] == 20  # given: as given
+    assert first_budget("--no-kv-adaptive")[0] == 32  # a fixed budget: the demo's cache
+    assert first_budget("--kv-min-saved", "0")[0] == 32  # no floor: nothing to size it on
+    assert first_budget(where=tmp_path / "no-tokenizer")[0] == 32
+    # The digits asked for size it: 6-8 digit sums are longer, so a larger budget still saves 40 %.
+    assert first_budget("--digits", "6-8")[0] > 36
+
+
 def test_the_summary_shows_the_budget_it_moved(tmp_path: Path) -> None:
     figures: dict[str, Any] = {
         "steps": 60, "wall_seconds": 74.0, "versions": 61, "patches": 60, "dense_bytes": 1_207_424,
@@ -90,7 +120,7 @@ def test_the_summary_shows_the_budget_it_moved(tmp_path: Path) -> None:
         return console.export_text()
 
     assert "budget 32 → 44 (adaptive) tokens" in text(DemoOptions(kv_adaptive=True))
-    assert "budget 32 tokens" in text(DemoOptions(kv_adaptive=False))
+    assert "budget 32 tokens" in text(DemoOptions(kv_adaptive=False, kv_budget=32))  # as resolved
 
 
 def test_the_anchor_reaches_the_trainer_only_when_given(monkeypatch: pytest.MonkeyPatch,

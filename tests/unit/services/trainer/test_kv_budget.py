@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from services.trainer.kv_budget import Evidence, KVBudgetController, KVControlSettings, evidence_from_step
+from services.trainer.kv_budget import (
+    Evidence,
+    KVBudgetController,
+    KVControlSettings,
+    evidence_from_step,
+    kv_saved_share,
+)
 from services.trainer.settings import TrainerSettings
 from shared.schemas import SamplingInfo, Trajectory
 
@@ -230,3 +236,14 @@ def test_the_kv_saved_comes_from_the_step_and_survives_a_restart() -> None:
     old = {k: v for k, v in before.state().items() if k not in ("kv_saved_signal", "kv_saved_per_token")}
     restored.load_state(old)  # a checkpoint from before the floor
     assert restored.saved is None
+
+
+def test_kv_saved_share_counts_the_peak_before_each_compression() -> None:
+
+    # (prompt, completion) tokens: 40 and 20 seen; peaks min(40, 12) + min(20, 12) = 24 of 60 kept.
+    lengths = [(10, 30), (5, 15)]
+    assert kv_saved_share(lengths, budget=10, buffer=2, keep_prompt=False) == pytest.approx(1 - 24 / 60)
+    # A kept prompt is stored whole besides the budget: (10 + 12) + (5 + 12) = 39 of 60.
+    assert kv_saved_share(lengths, budget=10, buffer=2, keep_prompt=True) == pytest.approx(1 - 39 / 60)
+    assert kv_saved_share([(10, 30)], budget=64, buffer=2, keep_prompt=False) == 0.0  # never compressed
+    assert kv_saved_share([], budget=8, buffer=2, keep_prompt=False) == 0.0
