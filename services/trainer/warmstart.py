@@ -126,7 +126,8 @@ class WarmstartRecipe(BaseModel):
     # lengths). "uniform": every level alike. "loss": a level is drawn in proportion to its running
     # per-token SFT loss (mixed with `level_uniform_share` of uniform draws, so a learned level is
     # still rehearsed), so the SFT spends its steps where the model is still wrong and the levels are
-    # learned together rather than one after another (docs/training.md, "A curriculum by loss").
+    # learned together rather than one after another. Tried for the demo, not kept (docs/training.md,
+    # "Room for RL"), as was `room_target`.
     level_sampling: Literal["uniform", "loss"] = "uniform"
     level_uniform_share: float = Field(default=0.25, ge=0.0, le=1.0)
     # Stop by room for RL (eviction-aware recipes; replaces `evicted_target` and `sampled_ceiling`
@@ -263,13 +264,12 @@ class LevelLoss:
     def weights(self) -> dict[str, list[float]]:
         out = {}
         for name, k in self.levels.items():
-            seen = self.loss[name]
-            if any(v is None for v in seen) or sum(seen) <= 0:  # type: ignore[arg-type]
+            seen = [v for v in self.loss[name] if v is not None]
+            total = sum(seen)
+            if len(seen) < k or total <= 0:
                 out[name] = [1.0 / k] * k  # every level once before any is favoured
                 continue
-            total = sum(seen)  # type: ignore[arg-type]
-            out[name] = [self.uniform_share / k + (1 - self.uniform_share) * v / total  # type: ignore[operator]
-                         for v in seen]
+            out[name] = [self.uniform_share / k + (1 - self.uniform_share) * v / total for v in seen]
         return out
 
 

@@ -9,6 +9,7 @@ import re
 import yaml
 
 from services.demo.options import RUN, DemoOptions
+from shared.kv import DEMO_KV
 from tests.paths import REPO_ROOT
 from tests.unit.deploy.test_deploy_compose import load_compose
 from tests.unit.deploy.test_deploy_k8s import (
@@ -36,7 +37,10 @@ def demo_defaults() -> dict[str, object]:
         "SPARSECAST_GROUPS_PER_STEP": o.groups_per_step,
         "SPARSECAST_SAMPLES_PER_PROMPT": o.samples_per_prompt,
         "SPARSECAST_KV__POLICY": o.kv_policy,
-        "SPARSECAST_KV__BUDGET": o.kv_budget,
+        # The demo's cache: `make demo` sizes its first budget per run from its KV floor (36 on its
+        # task, DemoOptions.kv_budget None), which the deployments' trainers do not set; their
+        # workers start at the cache's own 32 and the controller moves it from there.
+        "SPARSECAST_KV__BUDGET": DEMO_KV.budget,
         "SPARSECAST_KV__BUFFER": o.kv_buffer,
         "SPARSECAST_KV__KEEP_PROMPT": o.kv_keep_prompt,
     }
