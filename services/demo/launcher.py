@@ -216,9 +216,9 @@ class Stack:
         o = self.o
         if o.kv_calibrate is None or o.kv_policy == "dense":
             return
-        first = o.kv_budget or DEMO_KV.budget
+        first = self.first_budget
         budgets = ",".join(str(b) for b in range(first, 2 * first + 1, 4))
-        options = {"min_digits": o.digits[0], "max_digits": o.digits[1]} if o.digits else {}
+        options = o.task_options()
         argv = ["--model", str(model_dir), "--task", TASK, "--task-options", json.dumps(options),
                 "--policy", o.kv_policy, "--buffer", str(self.kv_buffer), "--budgets", budgets,
                 "--min-ratio", str(o.kv_calibrate), "--device", o.device]
@@ -265,7 +265,7 @@ class Stack:
             if lengths:
                 lowest, highest = o.kv_min or 1, o.kv_max or KVControlSettings().max_budget
                 fits = [b for b in range(lowest, highest + 1)
-                        if kv_saved_share(lengths, b, o.kv_buffer or max(8, b // 2), o.kv_keep_prompt)
+                        if kv_saved_share(lengths, b, self._buffer_at(b), o.kv_keep_prompt)
                         >= o.kv_min_saved]
                 if fits:
                     budget = max(fits)
@@ -280,8 +280,7 @@ class Stack:
         from tokenizers import Tokenizer  # transformers' Rust core: no torch in the supervisor
 
         path = model_dir / "tokenizer.json"
-        options = {"min_digits": self.o.digits[0], "max_digits": self.o.digits[1]} if self.o.digits else {}
-        task = get_task(TASK, **options)
+        task = get_task(TASK, **self.o.task_options())
         if not path.is_file():
             return []
         tokenizer = Tokenizer.from_file(str(path))
@@ -296,10 +295,18 @@ class Stack:
         return lengths
 
     @property
-    def kv_buffer(self) -> int:
+    def first_budget(self) -> int:
+        """The workers' first budget: DEMO_KV's until `resolve_kv_budget` (before any real run) sets it."""
+        return self.o.kv_budget or DEMO_KV.budget
+
+    def _buffer_at(self, budget: int) -> int:
         # Re-compress every budget/2 tokens by default: addition completions are tens of tokens,
         # so the default interval of 128 (R-KV's) would never evict in this demo.
-        return self.o.kv_buffer or max(8, (self.o.kv_budget or DEMO_KV.budget) // 2)
+        return self.o.kv_buffer or max(8, budget // 2)
+
+    @property
+    def kv_buffer(self) -> int:
+        return self._buffer_at(self.first_budget)
 
     def start_trainer(self, model_dir: Path) -> None:
         port = free_port()
@@ -340,7 +347,7 @@ class Stack:
         o = self.o
         if not o.kv_adaptive or o.kv_policy == "dense":
             return {}
-        first = o.kv_budget or DEMO_KV.budget  # resolved before a real run (resolve_kv_budget)
+        first = self.first_budget
         start = max(first, o.kv_min or first)
         start = min(start, o.kv_max or start)
         given = {"MODE": "adaptive", "START_BUDGET": start, "TARGET": o.kv_target, "MIN_BUDGET": o.kv_min,
@@ -362,7 +369,7 @@ class Stack:
                 "SPARSECAST_WORKER_TOKEN": self.worker_token,
                 "SPARSECAST_ADVERTISE_URL": url,
                 "SPARSECAST_KV__POLICY": self.o.kv_policy,
-                "SPARSECAST_KV__BUDGET": str(self.o.kv_budget or DEMO_KV.budget),
+                "SPARSECAST_KV__BUDGET": str(self.first_budget),
                 "SPARSECAST_KV__BUFFER": str(self.kv_buffer),
                 "SPARSECAST_KV__KEEP_PROMPT": str(self.o.kv_keep_prompt).lower(),
                 # The trainer's eviction replay reads the workers' records instead of rerunning them.

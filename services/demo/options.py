@@ -74,3 +74,7 @@ class DemoOptions:
     seed: int = 0  # the trainer's seed and the prompts' (each step's prompts are fresh)
     digits: tuple[int, int] | None = None  # addition's digit range; default the task's own
     report: Path | None = None  # write the run's history, versions and summary as JSON here
+
+    def task_options(self) -> dict[str, int]:
+        """The task's options as `get_task` and the prompts API take them: the digit range, if given."""
+        return {"min_digits": self.digits[0], "max_digits": self.digits[1]} if self.digits else {}

@@ -50,9 +50,7 @@ class Demo(Stack):
         want = min(2, remaining) * self.o.groups_per_step
         if remaining > 0 and in_flight < want:
             count = want - in_flight
-            options = (
-                {"min_digits": self.o.digits[0], "max_digits": self.o.digits[1]} if self.o.digits else {}
-            )
+            options = self.o.task_options()
             self.api(
                 "POST",
                 "/v1/prompts",
