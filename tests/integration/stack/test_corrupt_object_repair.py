@@ -9,6 +9,7 @@ model) over loopback HTTP and a real Redis; the lagging worker lags because it i
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -147,7 +148,10 @@ def test_a_corrupt_stored_patch_is_repaired_with_no_action(tmp_path: Path, tiny_
                      f"{what} ready at the head", every=0.2)
         elapsed = time.monotonic() - t0
         assert elapsed < REPAIR_WITHIN_S
-        assert any("weights stuck at v0" in reason for reason in stuck), stuck  # not ready meanwhile
+        # Not ready meanwhile, and stuck short of the corrupt patch 2-3: where it stood depends on how
+        # far its sync had gone (v0, or v1 / v2 from the intact patches) when /readyz was read.
+        stuck_at = {int(m.group(1)) for m in map(re.compile(r"weights stuck at v(\d+)").search, stuck) if m}
+        assert stuck_at and max(stuck_at) <= 2, stuck
 
         status = registry.get(f"/v1/runs/{RUN}/quarantine")
         assert status is not None
