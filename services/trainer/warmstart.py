@@ -492,6 +492,15 @@ def ensure_warmstart_model(cache_dir: str | Path, recipe: WarmstartRecipe | None
     return target
 
 
+def recipe_from_args(args: argparse.Namespace) -> WarmstartRecipe:
+    """The recipe `--out` builds: the default one with what the command line changed."""
+    defaults = WarmstartRecipe()
+    return WarmstartRecipe(steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
+                           threads=args.threads, eval_prompts=args.eval_prompts,
+                           level_sampling=args.level_sampling, room_target=args.room_target,
+                           evict_kv={**defaults.evict_kv, "budget": args.evict_budget})
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     target = parser.add_mutually_exclusive_group(required=True)
@@ -512,6 +521,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--level-sampling", choices=["uniform", "loss"], default=defaults.level_sampling)
     parser.add_argument("--room-target", type=float, default=defaults.room_target,
                         help="stop by room for RL (eviction-aware recipes; see WarmstartRecipe.room_target)")
+    parser.add_argument("--evict-budget", type=int, default=defaults.evict_kv["budget"],
+                        help="the budget of the cache the eviction-aware SFT trains and checks under "
+                        "(evict_kv; the demo's cache by default)")
     parser.add_argument("--log-every", type=int, default=50)
     args = parser.parse_args(argv)
     if args.ensure:
@@ -520,10 +532,7 @@ def main(argv: list[str] | None = None) -> None:
             print("TRAINING", default.steps, flush=True)
         print("MODEL", ensure_warmstart_model(cache), flush=True)
         return
-    recipe = WarmstartRecipe(steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
-                             threads=args.threads, eval_prompts=args.eval_prompts,
-                             level_sampling=args.level_sampling, room_target=args.room_target)
-    report = train_warmstart(recipe, args.out, log_every=args.log_every)
+    report = train_warmstart(recipe_from_args(args), args.out, log_every=args.log_every)
     print(
         json.dumps({k: report[k] for k in ("final_loss", "train_seconds", "total_seconds", "eval")}, indent=2)
     )

@@ -213,3 +213,16 @@ def test_the_room_stop_waits_for_room_and_else_keeps_the_roomiest_check(tmp_path
     report = train_warmstart(recipe, tmp_path / "bound", log_every=0)
     assert report["steps_done"] == 8 and report["kept_step"] == 4
     assert _digest(tmp_path / "bound") == _digest(tmp_path / "at4")
+
+
+def test_the_command_line_sets_the_cache_the_sft_is_evicted_under(tmp_path, monkeypatch):
+    built = []
+    monkeypatch.setattr(warmstart, "train_warmstart",
+                        lambda recipe, out, log_every: built.append(recipe) or
+                        {"final_loss": 0, "train_seconds": 0, "total_seconds": 0, "eval": {}})
+    warmstart.main(["--out", str(tmp_path), "--seed", "3"])
+    warmstart.main(["--out", str(tmp_path), "--seed", "3", "--evict-budget", "36"])
+    default, wider = built
+    assert default == warmstart.WarmstartRecipe(seed=3)  # nothing given: the default recipe
+    assert wider.evict_kv == {**default.evict_kv, "budget": 36} and default.evict_kv["budget"] == 32
+    assert wider.fingerprint() != default.fingerprint()  # its own cache entry
