@@ -26,9 +26,12 @@ The rule (`KVBudgetController.update`):
    by the current step (less eviction, less mismatch); signal < target × (1 − deadband) → lower it
    (more KV saved); inside the band → hold. Always within [min_budget, max_budget].
 4. **Step halving on reversal.** A move against the previous one halves the step (down to 1
-   token); a move in the same direction doubles it back (up to `step`). When the target falls
-   between two budgets `step` apart, the budget then settles between them instead of swinging
-   from one to the other at every version (seen on a GPU: 56 ↔ 64 for 100 steps with step 8).
+   token); the `regrow_after`-th move in a row the same way doubles it back (up to `step`). When
+   the target falls between two budgets `step` apart, the budget then settles between them instead
+   of swinging from one to the other at every version (seen on a GPU: 56 ↔ 64 for 100 steps with
+   step 8). With the default 2 (the second move doubles) the halving can be undone: a capped CPU
+   demo cycled 32 → 28 → 30 → 34 → 32 → 28 (down 4, up 2, up 4, down 2, down 4) for 60 steps
+   around a target met at 31; 3 settles there, but did not learn better in the demo (docs/training.md).
 5. **A floor on the KV saved** (`min_saved`, off by default). The share of KV the sampler saved
    at the current budget (1 − Σ peak cache / Σ sequence length, smoothed as the signal) comes first:
    below the floor the budget goes down whatever the mismatch says, and a raise is cut to the tokens
@@ -91,6 +94,8 @@ class KVControlSettings(BaseModel):
     max_budget: int = Field(default=512, ge=1)
     start_budget: int | None = Field(default=None, ge=1, description="None: the workers' own budget")
     step: int = Field(default=4, ge=1, description="tokens per move")
+    # Rule 4: the move in a row the same way that doubles the step back after a halving.
+    regrow_after: int = Field(default=2, ge=2)
     # The least share of KV saved the controller keeps (rule 5); None: no floor, the bounds only.
     min_saved: float | None = Field(default=None, gt=0, lt=1)
 
@@ -162,6 +167,7 @@ class KVBudgetController:
         self.moves = 0
         self.step = settings.step  # tokens of the next move (rule 4)
         self.direction = 0  # of the last move: +1 up, −1 down, 0 none yet
+        self.streak = 0  # moves in a row made in `direction`
 
     @property
     def adaptive(self) -> bool:
@@ -197,7 +203,7 @@ class KVBudgetController:
             self._decide(next_version)
         return {"kv_budget": self.budget, "kv_signal": signal, "kv_evidence": evidence,
                 "kv_saved_signal": saved, "kv_budget_since": self.since, "kv_step": self.step,
-                "kv_direction": self.direction}
+                "kv_direction": self.direction, "kv_streak": self.streak}
 
     def _observe(self, cells: list[Evidence]) -> None:
         total = sum(c.sequences for c in cells)
@@ -231,16 +237,18 @@ class KVBudgetController:
             direction = 1
         else:
             return
-        step = self.step
-        if self.direction:
-            step = max(1, step // 2) if direction != self.direction else min(s.step, step * 2)
+        step, streak = self.step, self.streak + 1 if direction == self.direction else 1
+        if self.direction and direction != self.direction:
+            step = max(1, step // 2)
+        elif streak >= s.regrow_after:
+            step = min(s.step, step * 2)
         tokens = step if direction < 0 else min(step, self._room())
         if tokens < 1:  # the floor allows no raise: hold, the step as it was
             return
         self.step = step
         budget = self._clamp(self.budget + direction * tokens)
         if budget != self.budget:
-            self.direction = direction
+            self.direction, self.streak = direction, streak
         self._move(budget, next_version)
 
     def _room(self) -> int:
@@ -262,6 +270,8 @@ class KVBudgetController:
         step, direction = metrics.get("kv_step"), metrics.get("kv_direction")
         if isinstance(step, int) and isinstance(direction, int):  # rule 4's state, as published
             self.step, self.direction = min(max(step, 1), self.settings.step), max(-1, min(direction, 1))
+            streak = metrics.get("kv_streak")  # not in manifests from before it: one move, no doubling yet
+            self.streak = max(streak, 0) if isinstance(streak, int) else int(self.direction != 0)
         since, signal, evidence = (metrics.get(k) for k in ("kv_budget_since", "kv_signal", "kv_evidence"))
         if (self.budget == budget and metrics.get("kv_budget") == budget and isinstance(since, int)
                 and since < version):
@@ -278,7 +288,7 @@ class KVBudgetController:
         """The whole state, for a checkpoint (`load_state`) and the trainer's status."""
         return {"kv_budget": self.budget, "kv_budget_since": self.since, "kv_signal": self.signal,
                 "kv_evidence": self.evidence, "kv_moves": self.moves, "kv_step": self.step,
-                "kv_direction": self.direction, "kv_saved_signal": self.saved,
+                "kv_direction": self.direction, "kv_streak": self.streak, "kv_saved_signal": self.saved,
                 "kv_saved_per_token": self.saved_per_token}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
@@ -286,5 +296,6 @@ class KVBudgetController:
         self.signal, self.evidence, self.moves = state["kv_signal"], state["kv_evidence"], state["kv_moves"]
         # Checkpoints from before rule 4 start from a full step.
         self.step, self.direction = state.get("kv_step", self.settings.step), state.get("kv_direction", 0)
+        self.streak = state.get("kv_streak", int(self.direction != 0))
         # ...and from before rule 5 without the KV saved: the next step's evidence sets it.
         self.saved, self.saved_per_token = state.get("kv_saved_signal"), state.get("kv_saved_per_token")

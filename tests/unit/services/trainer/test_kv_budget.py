@@ -189,6 +189,35 @@ def test_a_reversal_halves_the_step_so_the_budget_settles() -> None:
     assert moves == [40, 48]
 
 
+def test_the_step_grows_back_on_the_move_regrow_after_sets() -> None:
+    """The divergent share a capped CPU demo measured per budget (one step of 128 sequences each):
+    over target up to 30, inside the band at 31, under it from 32. Doubling the step on the second
+    move the same way (the default) cycled 32 -> 28 -> 30 -> 34 -> 32 -> 28 for the whole run;
+    doubling on the third settles at 31."""
+    shares = {28: 0.81, 29: 0.6, 30: 0.43, 31: 0.33, 32: 0.22, 33: 0.15}
+
+    def run(c: KVBudgetController) -> list[int]:
+        budgets = []
+        for v in range(16):
+            share = shares.get(c.budget, 0.81 if c.budget < 28 else 0.08)
+            budgets.append(c.update(_at(c.budget, share, version=v), next_version=v + 1)["kv_budget"])
+        return budgets
+
+    assert run(_controller(start_budget=36, step=4)) == [32, 28, 30, 34, 32, 28, 30, 34] * 2
+    settles = run(_controller(start_budget=36, step=4, regrow_after=3))
+    assert settles[:6] == [32, 28, 30, 32, 31, 31]  # down 4, down 4, up 2 (reversal), up 2, down 1
+    assert set(settles[5:]) == {31}
+    # The third move the same way doubles it back, so a target that drifts far off is still reached
+    # in a few moves: here the mismatch rises at every budget after the first step.
+    drift = _controller(start_budget=64, max_budget=96, step=8, regrow_after=3)
+    moves = [drift.update(_at(64, 0.05, version=0), next_version=1)["kv_budget"]]
+    for v in range(1, 5):
+        moves.append(drift.update(_at(drift.budget, 0.9, version=v), next_version=v + 1)["kv_budget"])
+    assert moves == [56, 60, 64, 72, 80]  # down 8; up 4 (reversal), up 4, up 8 (third), up 8
+    state = drift.state()
+    assert (state["kv_step"], state["kv_direction"], state["kv_streak"]) == (8, 1, 4)
+
+
 def test_the_kv_floor_comes_before_the_mismatch() -> None:
     """min_saved (rule 5): under the floor the budget goes down even with the mismatch over target; a
     raise is cut to the tokens that keep the floor, or not made."""
