@@ -48,8 +48,8 @@ test-chaos: setup
 	$(PY) -m pytest -q -m chaos $(PYTEST_ARGS)
 
 # The demo's learning criteria over three seeds (~10 minutes on 2 cores, plus a 4-7 minute warm
-# start the first time). Not in CI: capped at AVX2 the batches rise less than 10 points in 2 runs
-# of 3 (docs/training.md, "The demo").
+# start the first time). Not in CI: on some CPU kinds the batches rise less than 10 points in most
+# runs (natively on an AVX512-BF16 Zen 4, capped at AVX2 on an Intel; docs/results.md, "The demo").
 test-slow: setup
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
