@@ -3,6 +3,7 @@
     prompt      "add 345+678\n"
     completion  "5+8+0=13\n4+7+1=12\n3+6+1=10\n=1023"                      (scratchpad="column")
     completion  "345+678:5+8+0=13\n34+67:4+7+1=12\n3+6:3+6+1=10\n=1023"     (scratchpad="running")
+    completion  "5+8+0=13:3\n4+7+1=12:23\n3+6+1=10:023\n=1023"               (scratchpad="sum")
 
 One scratchpad line per digit, least significant first: the two digits, the carry in, and the
 two-digit column sum whose first digit is the next carry. The scratchpad makes the task learnable
@@ -15,6 +16,11 @@ prompt by counting its earlier lines, so evicting those lines derails it (docs/t
 that line's column: every line follows from the line before it alone, so a KV cache that keeps
 the last line or two (R-KV keeps the newest copy of repeated digits) loses nothing the next line
 needs. Completions are longer: at most n² + 13n + 2 tokens for n digits (column: 10n + 2).
+"sum" lines end with the sum's digits so far (least significant last added, so line k carries k of
+them): the last line holds every digit the answer needs but the final carry, and a line's count of
+sum digits says which column comes next. A cache that keeps the last line keeps what the answer needs,
+where "column" and "running" ask for the second digit of every earlier line (docs/training.md, "On
+the issue's kind again"). At most (n² + 23n + 4) / 2 tokens.
 """
 
 from __future__ import annotations
@@ -35,16 +41,17 @@ class AdditionTask(Task):
     format = "one line 'a+b+carry=ss' per digit (least significant first), then '=SUM'"
 
     def __init__(self, min_digits: int = 3, max_digits: int = 6,
-                 scratchpad: Literal["column", "running"] = "column") -> None:
+                 scratchpad: Literal["column", "running", "sum"] = "column") -> None:
         if not 1 <= min_digits <= max_digits:
             raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
-        if scratchpad not in ("column", "running"):
-            raise ValueError(f"scratchpad must be 'column' or 'running', got {scratchpad!r}")
+        if scratchpad not in ("column", "running", "sum"):
+            raise ValueError(f"scratchpad must be 'column', 'running' or 'sum', got {scratchpad!r}")
         self.min_digits, self.max_digits, self.scratchpad = min_digits, max_digits, scratchpad
         n = max_digits
         # Lines of 9 characters (+ the running operands and their separators: 2(n − k + 1) + 2), the
         # final "=SUM" (≤ n + 2 characters), EOS.
-        self.max_new_tokens = 9 * n + n + 3 + (n * (n + 1) + 2 * n if scratchpad == "running" else 0)
+        extra = {"column": 0, "running": n * (n + 1) + 2 * n, "sum": n * (n + 1) // 2 + n}[scratchpad]
+        self.max_new_tokens = 9 * n + n + 3 + extra
 
     def make_prompts(self, n: int, seed: int) -> list[tuple[str, str]]:
         rng = random.Random(seed)
@@ -70,11 +77,13 @@ class AdditionTask(Task):
         a, b = m.group(1), m.group(2)
         width = max(len(a), len(b))
         a, b = a.zfill(width)[::-1], b.zfill(width)[::-1]
-        lines, carry = [], 0
+        lines, carry, digits = [], 0, ""
         for k, (x, y) in enumerate(zip(a, b, strict=True)):
             s = int(x) + int(y) + carry
+            digits = f"{s % 10}{digits}"
             rest = f"{a[k:][::-1]}+{b[k:][::-1]}:" if self.scratchpad == "running" else ""
-            lines.append(f"{rest}{x}+{y}+{carry}={s:02d}")
+            so_far = f":{digits}" if self.scratchpad == "sum" else ""
+            lines.append(f"{rest}{x}+{y}+{carry}={s:02d}{so_far}")
             carry = s // 10
         lines.append(f"={answer}")
         return "\n".join(lines)

@@ -99,6 +99,23 @@ def test_running_scratchpad_restates_what_is_left():
         get_task("addition", scratchpad="diagonal")
 
 
+def test_sum_scratchpad_carries_the_sum_so_far_to_the_last_line():
+    task = get_task("addition", min_digits=3, max_digits=6, scratchpad="sum")
+    assert task.demonstration("add 345+678\n", "1023") == "5+8+0=13:3\n4+7+1=12:23\n3+6+1=10:023\n=1023"
+    for prompt, answer in task.make_prompts(200, seed=2):
+        demo = task.demonstration(prompt, answer)
+        *lines, final = demo.split("\n")
+        assert task.reward(demo, answer) == (1.0, True) and len(demo) + 1 <= task.max_new_tokens
+        # line k holds k digits of the sum; the last line and its carry give the whole answer
+        assert [len(line.split(":")[1]) for line in lines] == list(range(1, len(lines) + 1))
+        last = lines[-1]
+        carry = int(last.split("=")[1][0])
+        assert final == "=" + ("1" if carry else "") + last.split(":")[1] == f"={answer}"
+    longest = task.demonstration("add 999999+999999\n", "1999998")
+    assert len(longest) + 1 == task.max_new_tokens == (6 * 6 + 23 * 6 + 6) // 2
+    assert [level.scratchpad for level in task.levels()] == ["sum"] * 4  # type: ignore[attr-defined]
+
+
 def test_addition_rewards():
     task = get_task("addition")
     pad = "5+8+0=13\n4+7+1=12\n3+6+1=10\n"
