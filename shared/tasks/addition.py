@@ -16,11 +16,11 @@ prompt by counting its earlier lines, so evicting those lines derails it (docs/t
 that line's column: every line follows from the line before it alone, so a KV cache that keeps
 the last line or two (R-KV keeps the newest copy of repeated digits) loses nothing the next line
 needs. Completions are longer: at most n² + 13n + 2 tokens for n digits (column: 10n + 2).
-"sum" lines end with the sum's digits so far (least significant last added, so line k carries k of
-them): the last line holds every digit the answer needs but the final carry, and a line's count of
-sum digits says which column comes next. A cache that keeps the last line keeps what the answer needs,
-where "column" and "running" ask for the second digit of every earlier line (docs/training.md, "On
-the issue's kind again"). At most (n² + 23n + 4) / 2 tokens.
+"sum" lines end with the sum's digits so far (each line puts its column's digit in front, so line
+k carries k of them): the last line holds every digit the answer needs but the final carry, and a
+line's count of sum digits says which column comes next. A cache that keeps the last line keeps
+what the answer needs, where "column" and "running" ask for the second digit of every earlier line
+(docs/training.md, "On the issue's kind again"). At most (n² + 23n + 4) / 2 tokens.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ class AdditionTask(Task):
             raise ValueError(f"scratchpad must be 'column', 'running' or 'sum', got {scratchpad!r}")
         self.min_digits, self.max_digits, self.scratchpad = min_digits, max_digits, scratchpad
         n = max_digits
-        # Lines of 9 characters (+ the running operands and their separators: 2(n − k + 1) + 2), the
-        # final "=SUM" (≤ n + 2 characters), EOS.
+        # Lines of 9 characters (+ the running operands and their separators: 2(n − k + 1) + 2; + ":" and
+        # the k sum digits so far for "sum"), the final "=SUM" (≤ n + 2 characters), EOS.
         extra = {"column": 0, "running": n * (n + 1) + 2 * n, "sum": n * (n + 1) // 2 + n}[scratchpad]
         self.max_new_tokens = 9 * n + n + 3 + extra
 
