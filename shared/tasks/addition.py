@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Literal
+from typing import Literal, get_args
 
 from shared.tasks.base import Task, positional_credit
+
+Scratchpad = Literal["column", "running", "sum"]
 
 _PROMPT = re.compile(r"^add (\d+)\+(\d+)\n$")
 _FINAL = re.compile(r"^=(\d+)$")
@@ -41,11 +43,12 @@ class AdditionTask(Task):
     format = "one line 'a+b+carry=ss' per digit (least significant first), then '=SUM'"
 
     def __init__(self, min_digits: int = 3, max_digits: int = 6,
-                 scratchpad: Literal["column", "running", "sum"] = "column") -> None:
+                 scratchpad: Scratchpad = "column") -> None:
         if not 1 <= min_digits <= max_digits:
             raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
-        if scratchpad not in ("column", "running", "sum"):
-            raise ValueError(f"scratchpad must be 'column', 'running' or 'sum', got {scratchpad!r}")
+        if scratchpad not in get_args(Scratchpad):
+            known = ", ".join(get_args(Scratchpad))
+            raise ValueError(f"scratchpad must be one of {known}, got {scratchpad!r}")
         self.min_digits, self.max_digits, self.scratchpad = min_digits, max_digits, scratchpad
         n = max_digits
         # Lines of 9 characters (+ the running operands and their separators: 2(n − k + 1) + 2; + ":" and
