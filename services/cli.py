@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 from rich.console import Console
@@ -24,6 +24,7 @@ from services.trainer.kv_budget import KVControlSettings
 from services.views import human_bytes, registry_version_row, step_summary, versions_table, workers_table
 from shared.kv import KV_POLICIES
 from shared.schemas import DEFAULT_RUN
+from shared.tasks.addition import Scratchpad
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -268,7 +269,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         folder=Path(args.dir), model=args.model, lr=args.lr, kl_coef=args.kl_coef, token=args.token,
         device=args.device,
         kv_buffer=args.kv_buffer, kv_keep_prompt=args.kv_keep_prompt, kv_calibrate=args.kv_calibrate,
-        digits=args.digits, seed=args.seed, kv_adaptive=args.kv_adaptive, kv_target=args.kv_target,
+        digits=args.digits, scratchpad=args.scratchpad, seed=args.seed, kv_adaptive=args.kv_adaptive, kv_target=args.kv_target,
         kv_min=args.kv_min, kv_max=args.kv_max, kv_min_saved=args.kv_min_saved, recompute=args.recompute,
         report=Path(args.report) if args.report else None,
     )
@@ -425,6 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        f"(default {defaults.device})")
     demo.add_argument("--digits", type=_digit_range, metavar="MIN-MAX",
                       help="digits of the addition prompts, e.g. 6-12 (default: the task's own)")
+    demo.add_argument("--scratchpad", choices=get_args(Scratchpad),
+                      help="the addition scratchpad (shared.tasks.addition; default: the task's own)")
     demo.add_argument("--report", help="also write the run's history and summary as JSON here")
     demo.set_defaults(func=cmd_demo)
 

@@ -163,7 +163,8 @@ class Stack:
         env = self.base_env() | {"OMP_NUM_THREADS": "2"}
         child = self.procs.start(
             "warmstart",
-            [sys.executable, "-m", "services.trainer.warmstart", "--ensure", str(cache)],
+            [sys.executable, "-m", "services.trainer.warmstart", "--ensure", str(cache),
+             *(["--scratchpad", self.o.scratchpad] if self.o.scratchpad else [])],
             env,
             cwd=self.state_dir,
         )
@@ -327,6 +328,7 @@ class Stack:
             # A held-out check with a dense cache before the first step and every third of the run.
             "SPARSECAST_EVAL_EVERY": str(max(1, o.steps // 3)),
             "SPARSECAST_DEFAULT_TASK": TASK,
+            "SPARSECAST_EVAL_TASK_OPTIONS": json.dumps(o.task_options()),
             "SPARSECAST_CHECKPOINT_EVERY": "0",  # the demo keeps nothing across runs
             "SPARSECAST_COLLECT_TIMEOUT_S": "60",
             "OMP_NUM_THREADS": "2",

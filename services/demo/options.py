@@ -73,8 +73,15 @@ class DemoOptions:
     recompute: str = "replayed"
     seed: int = 0  # the trainer's seed and the prompts' (each step's prompts are fresh)
     digits: tuple[int, int] | None = None  # addition's digit range; default the task's own
+    # Addition's scratchpad (shared.tasks.addition); None: the task's own.
+    scratchpad: str | None = None
     report: Path | None = None  # write the run's history, versions and summary as JSON here
 
-    def task_options(self) -> dict[str, int]:
-        """The task's options as `get_task` and the prompts API take them: the digit range, if given."""
-        return {"min_digits": self.digits[0], "max_digits": self.digits[1]} if self.digits else {}
+    def task_options(self) -> dict[str, int | str]:
+        """The task's options as `get_task` and the prompts API take them: those given."""
+        options: dict[str, int | str] = {}
+        if self.digits:
+            options |= {"min_digits": self.digits[0], "max_digits": self.digits[1]}
+        if self.scratchpad:
+            options["scratchpad"] = self.scratchpad
+        return options

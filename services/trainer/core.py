@@ -394,7 +394,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Held-out T = 1 accuracy of the current policy (dense cache) on the fixed eval prompts."""
-        task = get_task(self.settings.default_task)
+        task = get_task(self.settings.default_task, **self.settings.eval_task_options)
         prompts = task.make_prompts(self.settings.eval_prompts, seed=EVAL_SEED)
         result = self.learner.evaluate(self.tokenizer, task, prompts, seed=EVAL_SEED)
         return {"heldout_accuracy": result["accuracy"], "heldout_reward": result["mean_reward"]}

@@ -105,6 +105,9 @@ class TrainerSettings(ModelServiceSettings):
     # metrics as heldout_accuracy / heldout_reward. 0 = off.
     eval_every: int = Field(default=0, ge=0)
     eval_prompts: int = Field(default=128, ge=1)
+    # The default task's options for those prompts (get_task's keywords, e.g. {"scratchpad": "sum"}
+    # for addition): the held-out prompts then ask for the completions the run trains on.
+    eval_task_options: dict[str, int | str] = Field(default_factory=dict)
     publish: PublishSettings = Field(default_factory=PublishSettings)
     seed: int = 0
     # Request limits of POST /v1/prompts (why: docs/coordination.md, "Bad input"): the body (413

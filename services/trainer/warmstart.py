@@ -26,7 +26,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -37,6 +37,7 @@ from shared.dtypes import compute_dtype
 from shared.kv import DEMO_KV_BUDGET, DEMO_KV_BUFFER, DEMO_KV_KEEP_PROMPT, DEMO_KV_POLICY
 from shared.modeling import qwen3_config
 from shared.tasks import Task, get_task
+from shared.tasks.addition import Scratchpad
 from shared.tokenizer import build_tokenizer, char_vocab
 
 if TYPE_CHECKING:  # imported where used: dense SFT (the default) needs neither the engine nor the masks
@@ -495,9 +496,13 @@ def ensure_warmstart_model(cache_dir: str | Path, recipe: WarmstartRecipe | None
 def recipe_from_args(args: argparse.Namespace) -> WarmstartRecipe:
     """The recipe `--out` builds: the default one with what the command line changed."""
     defaults = WarmstartRecipe()
+    addition = {**defaults.task_options["addition"]}
+    if args.scratchpad:
+        addition["scratchpad"] = args.scratchpad
     return WarmstartRecipe(steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
                            threads=args.threads, eval_prompts=args.eval_prompts,
                            level_sampling=args.level_sampling, room_target=args.room_target,
+                           task_options={**defaults.task_options, "addition": addition},
                            evict_kv={**defaults.evict_kv, "budget": args.evict_budget})
 
 
@@ -508,7 +513,7 @@ def main(argv: list[str] | None = None) -> None:
     target.add_argument(
         "--ensure",
         metavar="CACHE_DIR",
-        help="make sure CACHE_DIR holds the default recipe's model: prints 'TRAINING <steps>' "
+        help="make sure CACHE_DIR holds the recipe's model: prints 'TRAINING <steps>' "
         "when it must be built, then 'MODEL <path>' (what `sparsecast demo` reads)",
     )
     defaults = WarmstartRecipe()
@@ -524,15 +529,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--evict-budget", type=int, default=defaults.evict_kv["budget"],
                         help="the budget of the cache the eviction-aware SFT trains and checks under "
                         "(evict_kv; the demo's cache by default)")
+    parser.add_argument("--scratchpad", choices=get_args(Scratchpad),
+                        help="addition's scratchpad (shared.tasks.addition; default: the recipe's)")
     parser.add_argument("--log-every", type=int, default=50)
     args = parser.parse_args(argv)
+    recipe = recipe_from_args(args)
     if args.ensure:
-        default, cache = WarmstartRecipe(), Path(args.ensure)
-        if not is_current(cache / f"warmstart-{default.fingerprint()[:16]}", default):
-            print("TRAINING", default.steps, flush=True)
-        print("MODEL", ensure_warmstart_model(cache), flush=True)
+        cache = Path(args.ensure)
+        if not is_current(cache / f"warmstart-{recipe.fingerprint()[:16]}", recipe):
+            print("TRAINING", recipe.steps, flush=True)
+        print("MODEL", ensure_warmstart_model(cache, recipe), flush=True)
         return
-    report = train_warmstart(recipe_from_args(args), args.out, log_every=args.log_every)
+    report = train_warmstart(recipe, args.out, log_every=args.log_every)
     print(
         json.dumps({k: report[k] for k in ("final_loss", "train_seconds", "total_seconds", "eval")}, indent=2)
     )
