@@ -269,7 +269,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         folder=Path(args.dir), model=args.model, lr=args.lr, kl_coef=args.kl_coef, token=args.token,
         device=args.device,
         kv_buffer=args.kv_buffer, kv_keep_prompt=args.kv_keep_prompt, kv_calibrate=args.kv_calibrate,
-        digits=args.digits, scratchpad=args.scratchpad, seed=args.seed, kv_adaptive=args.kv_adaptive, kv_target=args.kv_target,
+        digits=args.digits, scratchpad=args.scratchpad, seed=args.seed, kv_adaptive=args.kv_adaptive,
+        kv_target=args.kv_target,
         kv_min=args.kv_min, kv_max=args.kv_max, kv_min_saved=args.kv_min_saved, recompute=args.recompute,
         report=Path(args.report) if args.report else None,
     )

@@ -311,6 +311,11 @@ class Stack:
 
     def start_trainer(self, model_dir: Path) -> None:
         port = free_port()
+        self.python("trainer", "services.trainer", self.trainer_env(model_dir, port))
+        self.urls["trainer"] = f"http://127.0.0.1:{port}"
+
+    def trainer_env(self, model_dir: Path, port: int) -> dict[str, str]:
+        """The trainer's settings (SPARSECAST_*) for this run."""
         o = self.o
         env = self.base_env() | {
             "SPARSECAST_PORT": str(port),
@@ -333,8 +338,7 @@ class Stack:
             "SPARSECAST_COLLECT_TIMEOUT_S": "60",
             "OMP_NUM_THREADS": "2",
         }
-        self.python("trainer", "services.trainer", env | self.loss_env() | self.kv_control_env())
-        self.urls["trainer"] = f"http://127.0.0.1:{port}"
+        return env | self.loss_env() | self.kv_control_env()
 
     def loss_env(self) -> dict[str, str]:
         """The trainer's loss settings the demo sets (LossConfig): the recompute, and the anchor if given."""

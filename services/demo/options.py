@@ -8,6 +8,7 @@ from pathlib import Path
 from services.trainer.optim import DEMO_OPTIM
 from shared.kv import DEMO_KV
 from shared.schemas import DEFAULT_RUN
+from shared.tasks.addition import Scratchpad
 
 RUN = DEFAULT_RUN
 TASK = "addition"
@@ -74,7 +75,7 @@ class DemoOptions:
     seed: int = 0  # the trainer's seed and the prompts' (each step's prompts are fresh)
     digits: tuple[int, int] | None = None  # addition's digit range; default the task's own
     # Addition's scratchpad (shared.tasks.addition); None: the task's own.
-    scratchpad: str | None = None
+    scratchpad: Scratchpad | None = None
     report: Path | None = None  # write the run's history, versions and summary as JSON here
 
     def task_options(self) -> dict[str, int | str]:

@@ -138,3 +138,31 @@ def test_the_anchor_reaches_the_trainer_only_when_given(monkeypatch: pytest.Monk
         assert (loss.kl_coef, loss.recompute) == (expected, DemoOptions().recompute)
     for bad in ("-0.1", "nan", "inf"):
         assert cli.main(["demo", "--kl-coef", bad]) == 2  # a usage error, before anything starts
+
+
+def test_the_scratchpad_reaches_the_prompts_the_heldout_check_and_the_first_budget(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """--scratchpad asks the prompts API for that scratchpad (the groups then carry its generation
+    budget), the trainer's held-out check uses it, and its longer completions size the first budget."""
+    from shared.tasks import get_task
+    from shared.tokenizer import build_tokenizer
+
+    model_dir = tmp_path / "model"
+    build_tokenizer().save_pretrained(model_dir)
+    options = _options(monkeypatch, "--scratchpad", "sum", "--digits", "3-5")
+    assert options.task_options() == {"min_digits": 3, "max_digits": 5, "scratchpad": "sum"}
+    assert DemoOptions().task_options() == {}  # the task's own
+    assert cli.main(["demo", "--scratchpad", "diagonal"]) == cli.EXIT_USAGE
+    stack = Stack(_options(monkeypatch, "--scratchpad", "sum"))
+    stack.say = lambda text: None  # type: ignore[method-assign]
+    stack.urls["registry"] = "http://127.0.0.1:1"  # not started: only its settings are read
+    for key, value in stack.trainer_env(model_dir, 1).items():
+        if key.startswith("SPARSECAST_"):
+            monkeypatch.setenv(key, value)
+    settings = TrainerSettings(data_dir=str(tmp_path))
+    assert settings.eval_task_options == {"scratchpad": "sum"}
+    eval_task = get_task(settings.default_task, **settings.eval_task_options)
+    assert eval_task.max_new_tokens > get_task(settings.default_task).max_new_tokens
+    stack.resolve_kv_budget(model_dir)
+    stack.http.close()
+    assert stack.o.kv_budget is not None and stack.o.kv_budget > 36  # column's is 36 (above)

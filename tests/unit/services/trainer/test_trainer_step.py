@@ -17,6 +17,7 @@ from services.trainer.settings import PublishSettings, TrainerSettings
 from shared.patch import apply_patch, extract_patch, fingerprint, read_header
 from shared.sampling import SamplingSettings
 from shared.schemas import KVStats, Sample, SamplingInfo, Trajectory
+from shared.tasks.addition import AdditionTask
 
 
 def _trajectories(vocab: int, groups: int = 3, samples: int = 4, seed: int = 0) -> list[Trajectory]:
@@ -231,6 +232,15 @@ def test_heldout_evaluation_is_repeatable_and_reported_on_schedule(
     trajectories = _trajectories(vocab=90)
     assert "heldout_accuracy" not in trainer.train_step(trajectories)  # step 1
     assert "heldout_accuracy" in trainer.train_step(trajectories)  # step 2
+
+
+def test_heldout_prompts_are_made_with_the_eval_task_options(tiny_model_dir: str, tmp_path: Path) -> None:
+    trainer = _trainer(tiny_model_dir, tmp_path, eval_prompts=4, eval_task_options={"scratchpad": "sum"})
+    seen = []
+    trainer.learner.evaluate = lambda tokenizer, task, prompts, seed: (  # type: ignore[method-assign]
+        seen.append(task) or {"accuracy": 0.0, "mean_reward": 0.0})
+    trainer.evaluate()
+    assert isinstance(seen[0], AdditionTask) and seen[0].scratchpad == "sum"
 
 
 def test_cpu_that_emulates_bf16_trains_in_fp32(tiny_model_dir: str, tmp_path: Path,

@@ -226,3 +226,7 @@ def test_the_command_line_sets_the_cache_the_sft_is_evicted_under(tmp_path, monk
     assert default == warmstart.WarmstartRecipe(seed=3)  # nothing given: the default recipe
     assert wider.evict_kv == {**default.evict_kv, "budget": 36} and default.evict_kv["budget"] == 32
     assert wider.fingerprint() != default.fingerprint()  # its own cache entry
+    warmstart.main(["--out", str(tmp_path), "--seed", "3", "--scratchpad", "sum"])
+    summed = built[-1]
+    assert summed.task_options["addition"] == {**default.task_options["addition"], "scratchpad": "sum"}
+    assert summed.fingerprint() != default.fingerprint()
