@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -230,3 +231,11 @@ def test_the_command_line_sets_the_cache_the_sft_is_evicted_under(tmp_path, monk
     summed = built[-1]
     assert summed.task_options["addition"] == {**default.task_options["addition"], "scratchpad": "sum"}
     assert summed.fingerprint() != default.fingerprint()
+    # --ensure (what the demo runs) builds the same recipes: nothing given, the default's cache entry.
+    ensured = []
+    monkeypatch.setattr(warmstart, "ensure_warmstart_model",
+                        lambda cache, recipe: ensured.append(recipe) or Path(cache))
+    warmstart.main(["--ensure", str(tmp_path)])
+    warmstart.main(["--ensure", str(tmp_path), "--scratchpad", "sum"])
+    assert ensured[0].fingerprint() == warmstart.WarmstartRecipe().fingerprint()
+    assert ensured[1].task_options["addition"]["scratchpad"] == "sum"
