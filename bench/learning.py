@@ -155,10 +155,11 @@ class LearningConfig(BaseModel):
 
 
 # Warm-start recipe of the GPU experiment: ~4.8M parameters (hidden 256, 6 layers, 8 heads / 4 KV
-# heads of 32), additions of 6-12 digits (completions of 65-125 tokens, so eviction bites).
+# heads of 32), additions of 6-12 digits with the column scratchpad of every documented GPU run
+# (completions of 65-125 tokens, so eviction bites; the task's default is now "sum").
 GPU_RECIPE = WarmstartRecipe(
     steps=8000, batch_size=128, lr=1e-3, warmup_steps=100, device="cuda", threads=2,
-    task_options={"addition": {"min_digits": 6, "max_digits": 12}},
+    task_options={"addition": {"min_digits": 6, "max_digits": 12, "scratchpad": "column"}},
     model_overrides={"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 6,
                      "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32},
     eval_prompts=256, sampled_target=0.35, check_every=250, check_from=0,

@@ -369,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--kv-budget", type=_positive,
                       help="KV tokens kept per sequence by sparse policies: the workers' first budget "
                            "(default: with --kv-adaptive and --kv-min-saved, the largest that saves that "
-                           "share on the task's reference completions, 36 for the demo's task; else 32)")
+                           "share on the task's reference completions, 30 for the demo's task; else 32)")
     demo.add_argument("--kv-buffer", type=_positive,
                       help=f"tokens generated between re-compressions (default {defaults.kv_buffer})")
     demo.add_argument("--kv-calibrate", type=_share, metavar="RATIO",
@@ -399,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
                            f"(default {defaults.recompute}; docs/training.md, \"Eviction replay\")")
     demo.add_argument("--kv-keep-prompt", action=argparse.BooleanOptionalAction,
                       help="never evict the prompt; the budget then counts generated tokens only "
-                           f"(default {'on' if defaults.kv_keep_prompt else 'off'}: Sparse-RL's semantics)")
+                           f"(default {'on' if defaults.kv_keep_prompt else 'off'}; off: Sparse-RL's "
+                           "semantics, the prompt evictable)")
     demo.add_argument(
         "--groups", type=_positive, help=f"prompt groups per step (default {defaults.groups_per_step})"
     )

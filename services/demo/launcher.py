@@ -30,7 +30,7 @@ from shared.tasks import get_task
 REPO_ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 300.0  # a cold start imports torch in four processes on two cores at once
 # The task's reference completions the first budget is sized on: a fixed set, so the run's seed does
-# not move it (36 for the demo's task at 40 % on any of 40 seeds tried).
+# not move it (30 for the demo's task at 40 % on any of 40 seeds tried).
 REFERENCE_PROMPTS, REFERENCE_SEED = 512, 0
 
 console = Console(highlight=False)

@@ -18,7 +18,7 @@ TASK = "addition"
 class DemoOptions:
     steps: int = 60
     workers: int = 2
-    # The demo's cache, shared.kv.DEMO_KV (32 + 2, prompt evictable).
+    # The demo's cache, shared.kv.DEMO_KV (32 + 2 besides the prompt, which is kept).
     kv_policy: str = DEMO_KV.policy
     # The workers' first budget. None: with the adaptive controller and its floor on the KV saved,
     # the largest budget whose cache saves `kv_min_saved` on the task's reference completions (from
@@ -40,9 +40,11 @@ class DemoOptions:
     # Re-compression interval: for the same peak (budget + buffer) a small buffer keeps more tokens
     # between compressions (docs/training.md, "The demo").
     kv_buffer: int | None = DEMO_KV.buffer
-    # Sparse-RL's budget semantics: the budget counts every cached token and the prompt is evictable.
-    # R-KV then drops the operand digits already added, so 32 + 2 saves 46 % of the KV at 0.56× dense
-    # accuracy, where a protected prompt saves 34 % at 0.58× (budget 24) and 41 % at 0.47× (budget 20).
+    # The prompt stays in the cache (--no-kv-keep-prompt: Sparse-RL's semantics, the budget counts
+    # every cached token and the prompt is evictable). With the task's sum scratchpad a line needs
+    # only the prompt and the line before it, so a budget of two lines loses nothing it needs: the
+    # demo met its criteria on both CPU kinds, where with the prompt evictable the batch rise held in
+    # 2 of 3 runs on each (docs/training.md, "The sum scratchpad in the demo").
     kv_keep_prompt: bool = DEMO_KV.keep_prompt
     # Raise the budget from `kv_budget` (in steps of 4, up to twice it) until the workers' sampler
     # keeps this share of the model's dense accuracy, measured before training (services.rollout.
@@ -74,7 +76,8 @@ class DemoOptions:
     recompute: str = "replayed"
     seed: int = 0  # the trainer's seed and the prompts' (each step's prompts are fresh)
     digits: tuple[int, int] | None = None  # addition's digit range; default the task's own
-    # Addition's scratchpad (shared.tasks.addition); None: the task's own.
+    # Addition's scratchpad (shared.tasks.addition); None: the task's own ("sum"). Another one also
+    # gives the warm start its own recipe (built and cached on first use).
     scratchpad: Scratchpad | None = None
     report: Path | None = None  # write the run's history, versions and summary as JSON here
 

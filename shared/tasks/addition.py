@@ -1,9 +1,9 @@
 """Multi-digit addition with a digit-by-digit scratchpad.
 
     prompt      "add 345+678\n"
+    completion  "5+8+0=13:3\n4+7+1=12:23\n3+6+1=10:023\n=1023"               (scratchpad="sum", the default)
     completion  "5+8+0=13\n4+7+1=12\n3+6+1=10\n=1023"                      (scratchpad="column")
     completion  "345+678:5+8+0=13\n34+67:4+7+1=12\n3+6:3+6+1=10\n=1023"     (scratchpad="running")
-    completion  "5+8+0=13:3\n4+7+1=12:23\n3+6+1=10:023\n=1023"               (scratchpad="sum")
 
 One scratchpad line per digit, least significant first: the two digits, the carry in, and the
 two-digit column sum whose first digit is the next carry. The scratchpad makes the task learnable
@@ -20,7 +20,10 @@ needs. Completions are longer: at most n² + 13n + 2 tokens for n digits (column
 k carries k of them): the last line holds every digit the answer needs but the final carry, and a
 line's count of sum digits says which column comes next. A cache that keeps the last line keeps
 what the answer needs, where "column" and "running" ask for the second digit of every earlier line
-(docs/training.md, "On the issue's kind again"). At most (n² + 23n + 4) / 2 tokens.
+(docs/training.md, "On the issue's kind again"). At most (n² + 23n + 4) / 2 tokens. The default since
+issue 26's twenty-second stop: with the prompt kept in the cache, every line needs only the prompt
+and the line before it, and the demo met its criteria on both CPU kinds where "column" had not
+(docs/training.md, "The sum scratchpad in the demo").
 """
 
 from __future__ import annotations
@@ -43,13 +46,17 @@ class AdditionTask(Task):
     format = "one line 'a+b+carry=ss' per digit (least significant first), then '=SUM'"
 
     def __init__(self, min_digits: int = 3, max_digits: int = 6,
-                 scratchpad: Scratchpad = "column") -> None:
+                 scratchpad: Scratchpad = "sum") -> None:
         if not 1 <= min_digits <= max_digits:
             raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
         if scratchpad not in get_args(Scratchpad):
             known = ", ".join(get_args(Scratchpad))
             raise ValueError(f"scratchpad must be one of {known}, got {scratchpad!r}")
         self.min_digits, self.max_digits, self.scratchpad = min_digits, max_digits, scratchpad
+        self.format = {"column": self.format, "running": "one line 'a_rest+b_rest:a+b+carry=ss' per digit "
+                       "(least significant first), then '=SUM'",
+                       "sum": "one line 'a+b+carry=ss:sum digits so far' per digit (least significant "
+                       "first), then '=SUM'"}[scratchpad]
         n = max_digits
         # Lines of 9 characters (+ the running operands and their separators: 2(n − k + 1) + 2; + ":" and
         # the k sum digits so far for "sum"), the final "=SUM" (≤ n + 2 characters), EOS.

@@ -105,16 +105,18 @@ def test_deployment_kv_defaults_are_the_demo_and_sparse_rl_ones() -> None:
     # section's defaults (Sparse-RL's), under the section's names SPARSECAST_KV__* (the flat
     # SPARSECAST_KV_* aliases are refused in the deploy files: tests/unit/deploy/test_deploy_env.py).
     from services.demo.options import DemoOptions
-    from shared.kv import DEMO_KV, DEMO_KV_BUDGET, DEMO_KV_BUFFER, DEMO_KV_KEEP_PROMPT, DEMO_KV_POLICY
+    from services.trainer.warmstart import DEMO_CACHE
+    from shared.kv import DEMO_KV, DEMO_KV_BUDGET, DEMO_KV_BUFFER, DEMO_KV_POLICY
 
     root = REPO_ROOT
     demo = DemoOptions()
     assert (demo.kv_policy, demo.kv_buffer, demo.kv_keep_prompt) == (
-        DEMO_KV.policy, DEMO_KV.buffer, DEMO_KV.keep_prompt) == ("rkv", 2, False)
+        DEMO_KV.policy, DEMO_KV.buffer, DEMO_KV.keep_prompt) == ("rkv", 2, True)
     assert DEMO_KV.budget == 32 and demo.kv_budget is None  # the demo's first budget is sized per run
-    # The flat names the warm start's recipe reads.
-    assert (DEMO_KV_POLICY, DEMO_KV_BUDGET, DEMO_KV_BUFFER, DEMO_KV_KEEP_PROMPT) == (
-        DEMO_KV.policy, DEMO_KV.budget, DEMO_KV.buffer, DEMO_KV.keep_prompt)
+    # The flat names the warm start's recipe reads: the demo's cache, with the prompt evictable there.
+    assert (DEMO_KV_POLICY, DEMO_KV_BUDGET, DEMO_KV_BUFFER) == (
+        DEMO_KV.policy, DEMO_KV.budget, DEMO_KV.buffer)
+    assert DEMO_CACHE == {"policy": "rkv", "budget": 32, "buffer": 2, "keep_prompt": False}
     flags = {True: "true", False: "false"}
     compose = yaml.safe_load((root / "compose.yaml").read_text())["services"]
     cpu_env = next(s["environment"] for s in compose.values()

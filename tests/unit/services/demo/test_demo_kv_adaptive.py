@@ -77,9 +77,8 @@ def test_the_options_reach_the_trainer(monkeypatch: pytest.MonkeyPatch, tmp_path
 def test_the_first_budget_is_where_the_floor_lets_the_controller_go(monkeypatch: pytest.MonkeyPatch,
                                                                     tmp_path: Path) -> None:
     """Without --kv-budget the workers and the controller start at the largest budget that saves the
-    floor on the task's reference completions (36 for addition 3-6 at 40 %: the budget the controller
-    otherwise reached after two batches sampled at 32); a given budget, no controller or no floor
-    keep the budget as before."""
+    floor on the task's reference completions (30 for addition 3-6 with the sum scratchpad and the
+    prompt kept, at 40 %); a given budget, no controller or no floor keep the budget as before."""
     from shared.tokenizer import build_tokenizer
 
     model_dir = tmp_path / "model"
@@ -93,15 +92,17 @@ def test_the_first_budget_is_where_the_floor_lets_the_controller_go(monkeypatch:
         return stack.o.kv_budget, stack.kv_control_env()
 
     budget, env = first_budget()
-    assert budget == 36 and env["SPARSECAST_KV_CONTROL__START_BUDGET"] == "36"
-    assert first_budget("--kv-min-saved", "0.45")[0] == 32  # 34 + 2 saves 43 %: below
-    assert first_budget("--kv-max", "34")[0] == 34  # within the controller's bounds
+    assert budget == 30 and env["SPARSECAST_KV_CONTROL__START_BUDGET"] == "30"
+    assert first_budget("--kv-min-saved", "0.45")[0] == 26  # 27 + 2 saves 44.5 %: below
+    assert first_budget("--kv-max", "28")[0] == 28  # within the controller's bounds
     assert first_budget("--kv-budget", "20")[0] == 20  # given: as given
     assert first_budget("--no-kv-adaptive")[0] == 32  # a fixed budget: the demo's cache
     assert first_budget("--kv-min-saved", "0")[0] == 32  # no floor: nothing to size it on
     assert first_budget(where=tmp_path / "no-tokenizer")[0] == 32
     # The digits asked for size it: 6-8 digit sums are longer, so a larger budget still saves 40 %.
-    assert first_budget("--digits", "6-8")[0] > 36
+    assert first_budget("--digits", "6-8")[0] > 30
+    # Sparse-RL's semantics (the prompt evictable): the budget counts the prompt too, so it is larger.
+    assert first_budget("--no-kv-keep-prompt")[0] > 30
 
 
 def test_the_summary_shows_the_budget_it_moved(tmp_path: Path) -> None:
@@ -143,26 +144,26 @@ def test_the_anchor_reaches_the_trainer_only_when_given(monkeypatch: pytest.Monk
 def test_the_scratchpad_reaches_the_prompts_the_heldout_check_and_the_first_budget(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """--scratchpad asks the prompts API for that scratchpad (the groups then carry its generation
-    budget), the trainer's held-out check uses it, and its longer completions size the first budget."""
+    budget), the trainer's held-out check uses it, and its completions size the first budget."""
     from shared.tasks import get_task
     from shared.tokenizer import build_tokenizer
 
     model_dir = tmp_path / "model"
     build_tokenizer().save_pretrained(model_dir)
-    options = _options(monkeypatch, "--scratchpad", "sum", "--digits", "3-5")
-    assert options.task_options() == {"min_digits": 3, "max_digits": 5, "scratchpad": "sum"}
+    options = _options(monkeypatch, "--scratchpad", "column", "--digits", "3-5")
+    assert options.task_options() == {"min_digits": 3, "max_digits": 5, "scratchpad": "column"}
     assert DemoOptions().task_options() == {}  # the task's own
     assert cli.main(["demo", "--scratchpad", "diagonal"]) == cli.EXIT_USAGE
-    stack = Stack(_options(monkeypatch, "--scratchpad", "sum"))
+    stack = Stack(_options(monkeypatch, "--scratchpad", "column"))
     stack.say = lambda text: None  # type: ignore[method-assign]
     stack.urls["registry"] = "http://127.0.0.1:1"  # not started: only its settings are read
     for key, value in stack.trainer_env(model_dir, 1).items():
         if key.startswith("SPARSECAST_"):
             monkeypatch.setenv(key, value)
     settings = TrainerSettings(data_dir=str(tmp_path))
-    assert settings.eval_task_options == {"scratchpad": "sum"}
+    assert settings.eval_task_options == {"scratchpad": "column"}
     eval_task = get_task(settings.default_task, **settings.eval_task_options)
-    assert eval_task.max_new_tokens > get_task(settings.default_task).max_new_tokens
+    assert eval_task.max_new_tokens < get_task(settings.default_task).max_new_tokens  # the sum's
     stack.resolve_kv_budget(model_dir)
     stack.http.close()
-    assert stack.o.kv_budget is not None and stack.o.kv_budget > 36  # column's is 36 (above)
+    assert stack.o.kv_budget is not None and stack.o.kv_budget < 30  # the default's is 30 (above)

@@ -235,12 +235,12 @@ def test_heldout_evaluation_is_repeatable_and_reported_on_schedule(
 
 
 def test_heldout_prompts_are_made_with_the_eval_task_options(tiny_model_dir: str, tmp_path: Path) -> None:
-    trainer = _trainer(tiny_model_dir, tmp_path, eval_prompts=4, eval_task_options={"scratchpad": "sum"})
+    trainer = _trainer(tiny_model_dir, tmp_path, eval_prompts=4, eval_task_options={"scratchpad": "column"})
     seen = []
     trainer.learner.evaluate = lambda tokenizer, task, prompts, seed: (  # type: ignore[method-assign]
         seen.append(task) or {"accuracy": 0.0, "mean_reward": 0.0})
     trainer.evaluate()
-    assert isinstance(seen[0], AdditionTask) and seen[0].scratchpad == "sum"
+    assert isinstance(seen[0], AdditionTask) and seen[0].scratchpad == "column"
 
 
 def test_cpu_that_emulates_bf16_trains_in_fp32(tiny_model_dir: str, tmp_path: Path,

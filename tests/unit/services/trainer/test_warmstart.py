@@ -227,15 +227,16 @@ def test_the_command_line_sets_the_cache_the_sft_is_evicted_under(tmp_path, monk
     assert default == warmstart.WarmstartRecipe(seed=3)  # nothing given: the default recipe
     assert wider.evict_kv == {**default.evict_kv, "budget": 36} and default.evict_kv["budget"] == 32
     assert wider.fingerprint() != default.fingerprint()  # its own cache entry
-    warmstart.main(["--out", str(tmp_path), "--seed", "3", "--scratchpad", "sum"])
-    summed = built[-1]
-    assert summed.task_options["addition"] == {**default.task_options["addition"], "scratchpad": "sum"}
-    assert summed.fingerprint() != default.fingerprint()
+    warmstart.main(["--out", str(tmp_path), "--seed", "3", "--scratchpad", "column"])
+    column = built[-1]
+    assert default.task_options["addition"]["scratchpad"] == "sum"  # named: the recipe's hash says it
+    assert column.task_options["addition"] == {**default.task_options["addition"], "scratchpad": "column"}
+    assert column.fingerprint() != default.fingerprint()
     # --ensure (what the demo runs) builds the same recipes: nothing given, the default's cache entry.
     ensured = []
     monkeypatch.setattr(warmstart, "ensure_warmstart_model",
                         lambda cache, recipe: ensured.append(recipe) or Path(cache))
     warmstart.main(["--ensure", str(tmp_path)])
-    warmstart.main(["--ensure", str(tmp_path), "--scratchpad", "sum"])
+    warmstart.main(["--ensure", str(tmp_path), "--scratchpad", "column"])
     assert ensured[0].fingerprint() == warmstart.WarmstartRecipe().fingerprint()
-    assert ensured[1].task_options["addition"]["scratchpad"] == "sum"
+    assert ensured[1].task_options["addition"]["scratchpad"] == "column"

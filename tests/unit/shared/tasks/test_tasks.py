@@ -54,12 +54,14 @@ def test_answers_a_task_cannot_score_are_refused(name, good, bad):
 
 
 def test_addition_scratchpad_format_and_length():
-    task = get_task("addition")
+    assert get_task("addition").scratchpad == "sum"  # type: ignore[attr-defined]  # the default
+    task = get_task("addition", scratchpad="column")
     assert task.demonstration("add 345+678\n", "1023") == "5+8+0=13\n4+7+1=12\n3+6+1=10\n=1023"
     lengths = [len(task.demonstration(p, a)) for p, a in task.make_prompts(200, seed=0)]
     assert (
         30 <= min(lengths) and max(lengths) <= 70
     )  # 3-6 digits: long enough for a KV budget of 16-32 to bite
+    assert len({get_task("addition", scratchpad=pad).format for pad in ("column", "running", "sum")}) == 3
 
 
 def test_addition_prompts_cycle_through_the_digit_counts():
