@@ -36,6 +36,12 @@ from shared.tasks.base import Task, positional_credit
 
 Scratchpad = Literal["column", "running", "sum"]
 
+# What a completion must look like, per scratchpad (Task.format).
+_FORMATS: dict[str, str] = {
+    "column": "one line 'a+b+carry=ss' per digit (least significant first), then '=SUM'",
+    "running": "one line 'a_rest+b_rest:a+b+carry=ss' per digit (least significant first), then '=SUM'",
+    "sum": "one line 'a+b+carry=ss:sum digits so far' per digit (least significant first), then '=SUM'",
+}
 _PROMPT = re.compile(r"^add (\d+)\+(\d+)\n$")
 _FINAL = re.compile(r"^=(\d+)$")
 _SUM = re.compile(r"[0-9]+")
@@ -43,7 +49,7 @@ _SUM = re.compile(r"[0-9]+")
 
 class AdditionTask(Task):
     name = "addition"
-    format = "one line 'a+b+carry=ss' per digit (least significant first), then '=SUM'"
+    format = _FORMATS["sum"]  # the default scratchpad's; an instance has its own
 
     def __init__(self, min_digits: int = 3, max_digits: int = 6,
                  scratchpad: Scratchpad = "sum") -> None:
@@ -53,10 +59,7 @@ class AdditionTask(Task):
             known = ", ".join(get_args(Scratchpad))
             raise ValueError(f"scratchpad must be one of {known}, got {scratchpad!r}")
         self.min_digits, self.max_digits, self.scratchpad = min_digits, max_digits, scratchpad
-        self.format = {"column": self.format, "running": "one line 'a_rest+b_rest:a+b+carry=ss' per digit "
-                       "(least significant first), then '=SUM'",
-                       "sum": "one line 'a+b+carry=ss:sum digits so far' per digit (least significant "
-                       "first), then '=SUM'"}[scratchpad]
+        self.format = _FORMATS[scratchpad]
         n = max_digits
         # Lines of 9 characters (+ the running operands and their separators: 2(n − k + 1) + 2; + ":" and
         # the k sum digits so far for "sum"), the final "=SUM" (≤ n + 2 characters), EOS.
