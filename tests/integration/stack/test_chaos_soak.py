@@ -564,6 +564,7 @@ class Soak:
             self.start_registry()
             self.registry_back_at = None
         versions = self.wait_workers_at_head(STEPS)
+        self.wait_poison_dead_lettered()
         # Redis may be mid-restart: wait for a status read from Redis now, not from its last reading.
         while (final := self.status()) is None or final["redis_error"] is not None:
             assert time.monotonic() - started < WALL_LIMIT_S + 120, "Redis never came back"
@@ -612,6 +613,23 @@ class Soak:
                 return versions
             time.sleep(0.5)
         raise AssertionError(f"workers not at v{head}: {versions}")
+
+    def wait_poison_dead_lettered(self, timeout: float = 120) -> None:
+        """A poison prompt injected just before the last step is still cycling through its attempts
+        when the run ends (each fails at once and goes back to the queue); the workers keep taking
+        it, so wait until it is dead-lettered before the figures are read. One that never is stays
+        a failure in check()."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_processes()
+            try:
+                with self.redis.client() as c:
+                    dead = {fields.get(b"group_id", b"").decode() for _, fields in c.xrange(self.keys.dead)}
+            except redis.RedisError:  # mid-restart: read again
+                dead = set()
+            if dead >= set(self.poison_ids):
+                return
+            time.sleep(0.5)
 
     def _worker_version(self, name: str) -> int:
         port = self.workers[name].port
