@@ -169,7 +169,9 @@ PRESETS: dict[str, LearningConfig] = {
     # The controller as measured on the evictable R-KV 48 cell (docs/training.md, "The 0.45 target
     # from two more warm starts"): 0.45 divergent, moves every 2 steps of 512 sequences, at most 96
     # tokens. With the anchor (`--set kl_coef=0.04`) it met parity from 4 of 5 warm starts there and
-    # from 3 of 3 in the protected R-KV 32 cell (≥ 40 % KV saved from 2 of them).
+    # from 3 of 3 in the protected R-KV 32 cell (≥ 40 % KV saved from 2 of them). Without the anchor, on
+    # the sum scratchpad with the prompt protected at R-KV 56, it held 40-60 % of the sequences divergent
+    # and fell below its warm start in 7 of 9 runs ("The sum scratchpad with the prompt protected, on a GPU").
     "gpu": LearningConfig(recipe=GPU_RECIPE, device="cuda", steps=150, groups=64, samples=8, lr=1e-4,
                           kv_control=KVControlSettings(target=0.45, min_sequences=1024, max_budget=96)),
     # The whole pipeline on a CPU in a minute or two: a 60-step warm start of the demo's shape, tiny batches.
