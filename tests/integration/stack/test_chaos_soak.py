@@ -623,13 +623,17 @@ class Soak:
         while time.monotonic() < deadline:
             self.check_processes()
             try:
-                with self.redis.client() as c:
-                    dead = {fields.get(b"group_id", b"").decode() for _, fields in c.xrange(self.keys.dead)}
+                dead = {d.get("group_id", "") for d in self.dead_letters()}
             except redis.RedisError:  # mid-restart: read again
                 dead = set()
             if dead >= set(self.poison_ids):
                 return
             time.sleep(0.5)
+
+    def dead_letters(self) -> list[dict[str, str]]:
+        with self.redis.client() as c:
+            entries = c.xrange(self.keys.dead)
+        return [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in entries]
 
     def _worker_version(self, name: str) -> int:
         port = self.workers[name].port
@@ -647,10 +651,7 @@ class Soak:
         ledger: Counter = Counter()
         for line in self.holder.inside(self.dir / "trainer" / LEDGER_FILE).read_text().splitlines():
             ledger.update(json.loads(line).get("trained", ()))
-        with self.redis.client() as c:
-            dead = [
-                {k.decode(): v.decode() for k, v in fields.items()} for _, fields in c.xrange(self.keys.dead)
-            ]
+        dead = self.dead_letters()
         dead_poison = sorted(d["group_id"] for d in dead if d.get("group_id", "").startswith("poison-"))
         metrics = httpx.get(f"{self.trainer_url}/metrics", timeout=HTTP_TIMEOUT_S).text
         outages = {dep: _metric(metrics, "trainer_dependency_outages", dep) for dep in ("redis", "registry")}
