@@ -114,6 +114,10 @@ class WarmstartRecipe(BaseModel):
     # per row), so the evicted share is trained on one step in `evict_every`, at `evict_share *
     # evict_every` of that step's rows: the same share of examples for half the replays.
     evict_every: int = Field(default=2, ge=1)
+    # Eviction-aware SFT only from the first check whose dense sampled accuracy reaches this: the
+    # replays (over half of an eviction-aware step's time on a CPU) are spent once the model adds,
+    # adapting it to the cache, instead of from the first step (None: from the first step).
+    evict_from_sampled: float | None = Field(default=None, ge=0.0, le=1.0)
     # With eviction-aware SFT the stop also waits until the sampled (T = 1) accuracy under `evict_kv`
     # (the rollout engine, bf16 as a worker holds the weights, `evicted_check_prompts` prompts)
     # reaches this: the demo's batches are sampled under that cache, and on some CPUs the dense target
@@ -146,8 +150,11 @@ class WarmstartRecipe(BaseModel):
 
     def fingerprint(self) -> str:
         """Hash of everything that determines the weights: recipe, vocab, code version."""
+        recipe = self.model_dump()
+        if recipe["evict_from_sampled"] is None:  # added later: the recipes before it keep their hashes
+            del recipe["evict_from_sampled"]
         blob = json.dumps(
-            {"recipe": self.model_dump(), "vocab": char_vocab(), "version": RECIPE_VERSION,
+            {"recipe": recipe, "vocab": char_vocab(), "version": RECIPE_VERSION,
              "torch": torch.__version__.split("+")[0]},
             sort_keys=True,
         )
@@ -317,6 +324,8 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
 
         evict, evict_kv = EvictionMasks(config, device), KVConfig.model_validate(recipe.evict_kv)
         model.set_attn_implementation(LAYER_MASKED)
+    # With `evict_from_sampled`: the step whose check started the eviction-aware SFT.
+    evict_from: int | None = None
     best_room: tuple[float, int, dict[str, torch.Tensor]] | None = None
     level_loss = LevelLoss(tasks, recipe.level_uniform_share) if recipe.level_sampling == "loss" else None
     model.train()
@@ -333,7 +342,8 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
         batch = _sft_batch(examples, tokenizer, local, recipe.local_window)
         batch = {k: v.to(device) for k, v in batch.items()}
         labels = batch.pop("labels")
-        if evict is not None and step % recipe.evict_every == 0:
+        evicting = recipe.evict_from_sampled is None or evict_from is not None
+        if evict is not None and evicting and step % recipe.evict_every == 0:
             share = min(1.0, recipe.evict_share * recipe.evict_every)
             chosen = [i for i in range(len(examples)) if rng.random() < share]
             if chosen:
@@ -379,6 +389,10 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
             checks.append({"step": step + 1, "sampled_accuracy": sampled["accuracy"]}
                           | ({"level_weights": level_loss.weights()} if level_loss is not None else {}))
             print(f"warmstart step {step + 1} sampled accuracy {sampled['accuracy']:.3f}", flush=True)
+            if (evict is not None and recipe.evict_from_sampled is not None and evict_from is None
+                    and sampled["accuracy"] >= recipe.evict_from_sampled):
+                evict_from = step + 1
+                checks[-1]["eviction_aware_from"] = evict_from
             if sampled["accuracy"] < recipe.sampled_target:
                 continue
             if evict is None or (recipe.evicted_target is None and recipe.room_target is None):
@@ -456,7 +470,7 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
         "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
         "train_seconds": round(train_s, 1), "total_seconds": round(time.perf_counter() - started, 1),
         "threads": recipe.threads, "steps_done": steps_done, "sampled_checks": checks, "eval": metrics,
-        "kept_step": restored_step or steps_done,
+        "kept_step": restored_step or steps_done, "eviction_aware_from": evict_from,
     }
     (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     (out_dir / STAMP_FILE).write_text(recipe.fingerprint() + "\n")
@@ -505,10 +519,11 @@ def recipe_from_args(args: argparse.Namespace) -> WarmstartRecipe:
                            threads=args.threads, eval_prompts=args.eval_prompts,
                            level_sampling=args.level_sampling, room_target=args.room_target,
                            task_options={**defaults.task_options, "addition": addition},
-                           evict_kv={**defaults.evict_kv, "budget": args.evict_budget})
+                           evict_kv={**defaults.evict_kv, "budget": args.evict_budget},
+                           evict_from_sampled=args.evict_from_sampled)
 
 
-def main(argv: list[str] | None = None) -> None:
+def arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--out", help="model directory to write (HF format, bf16)")
@@ -531,10 +546,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--evict-budget", type=int, default=defaults.evict_kv["budget"],
                         help="the budget of the cache the eviction-aware SFT trains and checks under "
                         "(evict_kv; the demo's cache by default)")
+    parser.add_argument("--evict-from-sampled", type=float, default=defaults.evict_from_sampled,
+                        metavar="ACCURACY", help="dense SFT until a check's sampled accuracy reaches "
+                        "this, eviction-aware after (WarmstartRecipe.evict_from_sampled; default: "
+                        "eviction-aware from the first step)")
     parser.add_argument("--scratchpad", choices=get_args(Scratchpad),
                         help="addition's scratchpad (shared.tasks.addition; default: the recipe's)")
     parser.add_argument("--log-every", type=int, default=50)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = arg_parser().parse_args(argv)
     recipe = recipe_from_args(args)
     if args.ensure:
         cache = Path(args.ensure)

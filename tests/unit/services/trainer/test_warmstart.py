@@ -133,6 +133,52 @@ def test_the_stop_waits_for_the_sampled_accuracy_under_the_cache(tmp_path, monke
     assert train_warmstart(uncapped, tmp_path / "uncapped", log_every=0)["steps_done"] == 20
 
 
+def test_eviction_aware_sft_starts_at_the_first_check_past_its_gate(tmp_path, monkeypatch):
+    """`evict_from_sampled`: dense SFT (no replay) until a dense check reaches the gate, then the
+    evicted share on one step in `evict_every`, and the report names the step it started at."""
+    import services.rollout.engine.evaluation as engine_evaluation
+
+    dense_accuracy = iter([0.05, 0.25, 0.3, 0.5])
+    replayed_at: list[int] = []
+    real = warmstart._evicted_rows
+
+    def count(evict, kv, model, batch, examples, chosen, tokenizer):
+        replayed_at.append(warmstart.steps_trained())
+        return real(evict, kv, model, batch, examples, chosen, tokenizer)
+
+    monkeypatch.setattr(warmstart, "_evicted_rows", count)
+    monkeypatch.setattr(warmstart, "evaluate",
+                        lambda *a, **k: {"accuracy": next(dense_accuracy), "mean_reward": 0.0})
+    monkeypatch.setattr(engine_evaluation, "evaluate",
+                        lambda *a, **k: {"accuracy": 0.5, "reward": 0.0, "length": 1.0, "kv_saved": 0.5})
+    recipe = WarmstartRecipe(steps=20, batch_size=2, eval_prompts=0, evict_share=0.5, evict_every=2,
+                             evict_kv=SMALL_CACHE, check_from=2, check_every=2, sampled_target=0.4,
+                             evicted_target=0.4, evict_from_sampled=0.2)
+    start = warmstart.steps_trained()
+    report = train_warmstart(recipe, tmp_path, log_every=0)
+    # Checks after steps 2, 4, 6, 8: the gate passes at 4 (0.25); steps 5-8 (indices 4-7) train, and
+    # the even indices 4 and 6 replay; the stop comes at 8 (dense 0.5, under the cache 0.5).
+    assert report["eviction_aware_from"] == 4 and report["steps_done"] == 8
+    assert [at - start for at in replayed_at] == [4, 6]
+    assert report["sampled_checks"][1]["eviction_aware_from"] == 4
+    assert "eviction_aware_from" not in report["sampled_checks"][2]
+
+
+def test_the_gate_is_part_of_the_recipe_hash_only_when_set():
+    """Recipes from before `evict_from_sampled` keep their hashes (and their cached warm starts)."""
+    default = WarmstartRecipe()
+    fields = default.model_dump()
+    del fields["evict_from_sampled"]
+    blob = json.dumps({"recipe": fields, "vocab": warmstart.char_vocab(), "version": warmstart.RECIPE_VERSION,
+                       "torch": torch.__version__.split("+")[0]}, sort_keys=True)
+    assert default.fingerprint() == hashlib.sha256(blob.encode()).hexdigest()
+    assert WarmstartRecipe(evict_from_sampled=0.4).fingerprint() != default.fingerprint()
+    args = warmstart.arg_parser().parse_args(["--out", "x", "--evict-from-sampled", "0.4"])
+    parsed = warmstart.recipe_from_args(args)
+    assert parsed.evict_from_sampled == 0.4
+    assert parsed.model_copy(update={"evict_from_sampled": None}) == default
+
+
 def test_levels_are_drawn_by_their_running_loss():
     """The "loss" curriculum: uniform until every level has a loss, then a level's share follows its
     running per-token loss, with `uniform_share` of the draws still spread evenly."""
