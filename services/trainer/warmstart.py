@@ -116,7 +116,10 @@ class WarmstartRecipe(BaseModel):
     evict_every: int = Field(default=2, ge=1)
     # Eviction-aware SFT only from the first check whose dense sampled accuracy reaches this: the
     # replays (over half of an eviction-aware step's time on a CPU) are spent once the model adds,
-    # adapting it to the cache, instead of from the first step (None: from the first step).
+    # adapting it to the cache, instead of from the first step (None: from the first step). At 0.4 the
+    # SFT took 143 s instead of 274 s on a Zen 4, but capped at AVX2 it overshot to 0.9 dense, and
+    # with the controller bounded at 26 the demo's batch rise held natively, not capped: an option
+    # (docs/training.md, "A warm start eviction-aware only once it adds").
     evict_from_sampled: float | None = Field(default=None, ge=0.0, le=1.0)
     # With eviction-aware SFT the stop also waits until the sampled (T = 1) accuracy under `evict_kv`
     # (the rollout engine, bf16 as a worker holds the weights, `evicted_check_prompts` prompts)
