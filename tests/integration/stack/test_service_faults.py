@@ -63,6 +63,16 @@ def test_loops_ride_out_redis_client_kill_and_restart(tmp_path: Path, tiny_model
         wait_for(lambda: both_met_one() or redis_server.kill_clients() < 0, 120,
                  "the trainer and the worker meeting a killed connection", every=0.5)
         stack.wait_step(3)
+        # The restart is a second outage only for a process whose first has ended (a success since):
+        # the trainer can step on trajectories the worker sent before the kill while the worker is
+        # still backing off.
+        def redis_up() -> tuple[float, float]:
+            worker_page = get(f"{worker}/metrics").text
+            trainer_page = get(f"{stack.trainer_url}/metrics").text
+            return (metric(worker_page, "rollout_dependency_up", dependency="redis"),
+                    metric(trainer_page, "trainer_dependency_up", dependency="redis"))
+
+        wait_for(lambda: redis_up() == (1, 1), 60, "both past the killed connections")
         redis_server.stop()
         wait_for(lambda: get(f"{stack.trainer_url}/readyz").status_code == 503, 10, "trainer not ready")
         t0 = time.monotonic()
@@ -73,7 +83,10 @@ def test_loops_ride_out_redis_client_kill_and_restart(tmp_path: Path, tiny_model
         assert get(f"{stack.trainer_url}/healthz").status_code == 200  # waiting is alive
         assert "redis" in " ".join(get(f"{worker}/readyz").json()["reasons"])
         assert get(f"{worker}/healthz").status_code == 200
+        # Down for 2 s and until the worker has met it (its loops call Redis while it is down; the
+        # trainer's step loop, idle on an empty queue, meets it at its first call after the restart).
         time.sleep(2)
+        wait_for(lambda: redis_up()[0] == 0, 60, "the worker meeting the outage")
         redis_server.start()  # same folder: the AOF brings the queue back
         stack.wait_step(6)
         assert stack.wait_workers_at_head() == 6
