@@ -52,27 +52,22 @@ def test_loops_ride_out_redis_client_kill_and_restart(tmp_path: Path, tiny_model
         stack.submit(12)
         stack.wait_step(1)
         assert redis_server.kill_clients() >= 2
-        # A process sees a killed connection only at its next call on it, and either may reconnect
-        # unawares in between (make test once saw only the worker's on a slow machine, and only the
-        # trainer's on a fast one): kill again until both have met one.
-        def both_met_one() -> bool:
-            worker_outages = metric(get(f"{worker}/metrics").text, "rollout_dependency_outages",
-                                    dependency="redis")
-            return outage_warnings(caplog, "redis", "services.trainer.core") >= 1 and worker_outages >= 1
 
-        wait_for(lambda: both_met_one() or redis_server.kill_clients() < 0, 120,
+        def redis_gauges(name: str) -> tuple[float, float]:
+            """The worker's and the trainer's `<service>_<name>{dependency="redis"}`."""
+            return (metric(get(f"{worker}/metrics").text, f"rollout_{name}", dependency="redis"),
+                    metric(get(f"{stack.trainer_url}/metrics").text, f"trainer_{name}", dependency="redis"))
+
+        # A process sees a killed connection only at its next call on it, and may reconnect unawares
+        # in between (make test once saw only the worker's on a slow machine): kill again until both
+        # have met one.
+        wait_for(lambda: min(redis_gauges("dependency_outages")) >= 1 or redis_server.kill_clients() < 0, 120,
                  "the trainer and the worker meeting a killed connection", every=0.5)
         stack.wait_step(3)
         # The restart is a second outage only for a process whose first has ended (a success since):
         # the trainer can step on trajectories the worker sent before the kill while the worker is
         # still backing off.
-        def redis_up() -> tuple[float, float]:
-            worker_page = get(f"{worker}/metrics").text
-            trainer_page = get(f"{stack.trainer_url}/metrics").text
-            return (metric(worker_page, "rollout_dependency_up", dependency="redis"),
-                    metric(trainer_page, "trainer_dependency_up", dependency="redis"))
-
-        wait_for(lambda: redis_up() == (1, 1), 60, "both past the killed connections")
+        wait_for(lambda: redis_gauges("dependency_up") == (1, 1), 60, "both past the killed connections")
         redis_server.stop()
         wait_for(lambda: get(f"{stack.trainer_url}/readyz").status_code == 503, 10, "trainer not ready")
         t0 = time.monotonic()
@@ -86,7 +81,7 @@ def test_loops_ride_out_redis_client_kill_and_restart(tmp_path: Path, tiny_model
         # Down for 2 s and until the worker has met it (its loops call Redis while it is down; the
         # trainer's step loop, idle on an empty queue, meets it at its first call after the restart).
         time.sleep(2)
-        wait_for(lambda: redis_up()[0] == 0, 60, "the worker meeting the outage")
+        wait_for(lambda: redis_gauges("dependency_up")[0] == 0, 60, "the worker meeting the outage")
         redis_server.start()  # same folder: the AOF brings the queue back
         stack.wait_step(6)
         assert stack.wait_workers_at_head() == 6
