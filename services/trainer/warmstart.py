@@ -34,7 +34,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config,
 
 from services.trainer.evaluation import evaluate
 from shared.dtypes import compute_dtype
-from shared.kv import DEMO_KV_BUDGET, DEMO_KV_BUFFER, DEMO_KV_POLICY
+from shared.kv import DEMO_KV, DEMO_KV_BUDGET, DEMO_KV_BUFFER, DEMO_KV_POLICY
 from shared.modeling import qwen3_config
 from shared.tasks import Task, get_task
 from shared.tasks.addition import Scratchpad
@@ -49,6 +49,13 @@ if TYPE_CHECKING:  # imported where used: dense SFT (the default) needs neither 
 # with the demo's defaults (docs/training.md, "The sum scratchpad in the demo").
 DEMO_CACHE: dict[str, int | str | bool] = {
     "policy": DEMO_KV_POLICY, "budget": DEMO_KV_BUDGET, "buffer": DEMO_KV_BUFFER, "keep_prompt": False}
+# The demo's workers' own cache (the prompt kept), for `evicted_check_kv`.
+DEMO_WORKER_CACHE: dict[str, int | str | bool] = {
+    "policy": DEMO_KV.policy, "budget": DEMO_KV.budget, "buffer": DEMO_KV.buffer,
+    "keep_prompt": DEMO_KV.keep_prompt}
+# Fields added after recipes were cached: at their default (None) they stay out of the hash, so the
+# recipes before them keep their hashes and their cached warm starts.
+LATER_FIELDS = ("evict_from_sampled", "evicted_check_kv")
 
 # Bump when the training code changes in a way the recipe fields do not capture.
 RECIPE_VERSION = 3  # 2: balanced digit counts, explicit cross-entropy; 3: seeded sampling checks
@@ -126,6 +133,10 @@ class WarmstartRecipe(BaseModel):
     # reaches this: the demo's batches are sampled under that cache, and on some CPUs the dense target
     # arrived while the cached sampler was at under half of it (docs/training.md, "The demo").
     evicted_target: float | None = 0.4
+    # The cache that check (and the report's `evicted_sampled`) samples under; None: `evict_kv`, the
+    # one trained under. E.g. DEMO_WORKER_CACHE: the demo's workers keep the prompt, so the stop asks
+    # how the demo's sampler adds while the SFT still trains under the stricter evictable cache.
+    evicted_check_kv: dict[str, int | str | bool] | None = None
     # ...but not past this dense sampled accuracy: where the cached sampler plateaus below
     # `evicted_target` (an Intel AMX CPU: 0.20-0.38 under the cache from step 550 to 1100 while dense
     # went 0.64 -> 0.98) the wait bought a dense model with no room left for RL on held-out prompts.
@@ -154,8 +165,9 @@ class WarmstartRecipe(BaseModel):
     def fingerprint(self) -> str:
         """Hash of everything that determines the weights: recipe, vocab, code version."""
         recipe = self.model_dump()
-        if recipe["evict_from_sampled"] is None:  # added later: the recipes before it keep their hashes
-            del recipe["evict_from_sampled"]
+        for name in LATER_FIELDS:
+            if recipe[name] is None:
+                del recipe[name]
         blob = json.dumps(
             {"recipe": recipe, "vocab": char_vocab(), "version": RECIPE_VERSION,
              "torch": torch.__version__.split("+")[0]},
@@ -326,6 +338,7 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
         from services.trainer.eviction_masks import LAYER_MASKED, EvictionMasks
 
         evict, evict_kv = EvictionMasks(config, device), KVConfig.model_validate(recipe.evict_kv)
+        check_kv = KVConfig.model_validate(recipe.evicted_check_kv or recipe.evict_kv)
         model.set_attn_implementation(LAYER_MASKED)
     # With `evict_from_sampled`: the step whose check started the eviction-aware SFT.
     evict_from: int | None = None
@@ -424,7 +437,7 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
             assert recipe.evicted_target is not None
             evicted = evaluate_on_engine(
                 evict.load(model.state_dict()), tokenizer, first_task,
-                first_task.make_prompts(recipe.evicted_check_prompts, 7_500_001 + step), evict_kv,
+                first_task.make_prompts(recipe.evicted_check_prompts, 7_500_001 + step), check_kv,
                 temperature=1.0, batch=recipe.evicted_check_prompts, seed=step)["accuracy"]
             checks[-1]["evicted_sampled_accuracy"] = evicted
             print(f"warmstart step {step + 1} sampled accuracy under the cache {evicted:.3f}", flush=True)
@@ -455,10 +468,10 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
         metrics = {name: evaluate(model, tokenizer, tasks[name], held_out[name], sample=False)
                    | {"sampled": evaluate(model, tokenizer, tasks[name], held_out[name], sample=True)}
                    for name in sorted(tasks)}
-        if evict is not None:  # what the demo's workers sample: the first task under `evict_kv`
+        if evict is not None:  # the first task under the check's cache (`evicted_check_kv`)
             name = sorted(tasks)[0]
             metrics[name]["evicted_sampled"] = evaluate_on_engine(
-                evict.load(model.state_dict()), tokenizer, tasks[name], held_out[name], evict_kv,
+                evict.load(model.state_dict()), tokenizer, tasks[name], held_out[name], check_kv,
                 temperature=1.0, batch=recipe.eval_prompts, seed=0)
     model = model.to(torch.bfloat16).cpu()
     model.generation_config = GenerationConfig(
@@ -523,7 +536,8 @@ def recipe_from_args(args: argparse.Namespace) -> WarmstartRecipe:
                            level_sampling=args.level_sampling, room_target=args.room_target,
                            task_options={**defaults.task_options, "addition": addition},
                            evict_kv={**defaults.evict_kv, "budget": args.evict_budget},
-                           evict_from_sampled=args.evict_from_sampled)
+                           evict_from_sampled=args.evict_from_sampled,
+                           evicted_check_kv=DEMO_WORKER_CACHE if args.check_under == "demo" else None)
 
 
 def arg_parser() -> argparse.ArgumentParser:
@@ -553,6 +567,10 @@ def arg_parser() -> argparse.ArgumentParser:
                         metavar="ACCURACY", help="dense SFT until a check's sampled accuracy reaches "
                         "this, eviction-aware after (WarmstartRecipe.evict_from_sampled; default: "
                         "eviction-aware from the first step)")
+    parser.add_argument("--check-under", choices=["train", "demo"], default="train",
+                        help="the cache the stop's check samples under: the one trained under "
+                        "(evict_kv) or the demo's workers' (the prompt kept; "
+                        "WarmstartRecipe.evicted_check_kv)")
     parser.add_argument("--scratchpad", choices=get_args(Scratchpad),
                         help="addition's scratchpad (shared.tasks.addition; default: the recipe's)")
     parser.add_argument("--log-every", type=int, default=50)

@@ -164,19 +164,54 @@ def test_eviction_aware_sft_starts_at_the_first_check_past_its_gate(tmp_path, mo
     assert "eviction_aware_from" not in report["sampled_checks"][2]
 
 
-def test_the_gate_is_part_of_the_recipe_hash_only_when_set():
-    """Recipes from before `evict_from_sampled` keep their hashes (and their cached warm starts)."""
+def test_later_fields_are_part_of_the_recipe_hash_only_when_set():
+    """Recipes from before `evict_from_sampled` and `evicted_check_kv` keep their hashes (and their
+    cached warm starts); set, each makes a recipe of its own, and the command line sets both."""
     default = WarmstartRecipe()
     fields = default.model_dump()
-    del fields["evict_from_sampled"]
+    del fields["evict_from_sampled"], fields["evicted_check_kv"]
     blob = json.dumps({"recipe": fields, "vocab": warmstart.char_vocab(), "version": warmstart.RECIPE_VERSION,
                        "torch": torch.__version__.split("+")[0]}, sort_keys=True)
     assert default.fingerprint() == hashlib.sha256(blob.encode()).hexdigest()
     assert WarmstartRecipe(evict_from_sampled=0.4).fingerprint() != default.fingerprint()
-    args = warmstart.arg_parser().parse_args(["--out", "x", "--evict-from-sampled", "0.4"])
+    demo_checked = WarmstartRecipe(evicted_check_kv=warmstart.DEMO_WORKER_CACHE)
+    gated = WarmstartRecipe(evict_from_sampled=0.4)
+    assert demo_checked.fingerprint() not in (default.fingerprint(), gated.fingerprint())
+    args = warmstart.arg_parser().parse_args(
+        ["--out", "x", "--evict-from-sampled", "0.4", "--check-under", "demo"])
     parsed = warmstart.recipe_from_args(args)
-    assert parsed.evict_from_sampled == 0.4
-    assert parsed.model_copy(update={"evict_from_sampled": None}) == default
+    assert parsed.evict_from_sampled == 0.4 and parsed.evicted_check_kv == warmstart.DEMO_WORKER_CACHE
+    assert parsed.model_copy(update={"evict_from_sampled": None, "evicted_check_kv": None}) == default
+    assert warmstart.recipe_from_args(warmstart.arg_parser().parse_args(["--out", "x"])) == default
+
+
+def test_the_stop_can_check_under_another_cache_than_the_one_trained_under(tmp_path, monkeypatch):
+    """`evicted_check_kv`: the replays keep training under `evict_kv` while the stop's check (and the
+    report's `evicted_sampled`) samples under the other cache."""
+    import services.rollout.engine.evaluation as engine_evaluation
+
+    replay_kvs: list[tuple[int, bool]] = []
+    check_kvs: list[tuple[int, bool]] = []
+    real = warmstart._evicted_rows
+
+    def replay(evict, kv, model, batch, examples, chosen, tokenizer):
+        replay_kvs.append((kv.budget, kv.keep_prompt))
+        return real(evict, kv, model, batch, examples, chosen, tokenizer)
+
+    def engine_check(engine, tokenizer, task, pairs, kv, temperature, batch, seed):
+        check_kvs.append((kv.budget, kv.keep_prompt))
+        return {"accuracy": 0.5, "reward": 0.0, "length": 1.0, "kv_saved": 0.5}
+
+    monkeypatch.setattr(warmstart, "_evicted_rows", replay)
+    monkeypatch.setattr(warmstart, "evaluate", lambda *a, **k: {"accuracy": 0.6, "mean_reward": 0.6})
+    monkeypatch.setattr(engine_evaluation, "evaluate", engine_check)
+    check_cache = {**SMALL_CACHE, "budget": 16, "keep_prompt": True}
+    recipe = WarmstartRecipe(steps=20, batch_size=2, eval_prompts=2, evict_share=0.5, evict_kv=SMALL_CACHE,
+                             check_from=2, check_every=2, sampled_target=0.4, evicted_target=0.4,
+                             evicted_check_kv=check_cache)
+    report = train_warmstart(recipe, tmp_path, log_every=0)
+    assert report["steps_done"] == 2 and replay_kvs == [(12, False)]
+    assert check_kvs == [(16, True), (16, True)]  # the stop's check, then the report's
 
 
 def test_levels_are_drawn_by_their_running_loss():
