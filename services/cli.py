@@ -261,8 +261,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from services.demo.options import DemoOptions
     from services.demo.supervisor import run_demo
 
-    if args.kv_min and args.kv_max and args.kv_min > args.kv_max:
-        raise UsageError(f"--kv-min {args.kv_min} is above --kv-max {args.kv_max}")
+    kv_min = args.kv_min if args.kv_min is not None else DemoOptions.kv_min
+    if kv_min and args.kv_max and kv_min > args.kv_max:
+        given_min = "" if args.kv_min is not None else " (the default)"
+        raise UsageError(f"--kv-min {kv_min}{given_min} is above --kv-max {args.kv_max}")
     given = dict(
         steps=args.steps, workers=args.workers, kv_policy=args.kv_policy, kv_budget=args.kv_budget,
         groups_per_step=args.groups, samples_per_prompt=args.samples, keep_running=args.keep_running,
@@ -386,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"share of sequences with a divergent token the adaptive budget holds "
                            f"(kv_control.metric {kv_defaults.metric}; default {kv_defaults.target})")
     demo.add_argument("--kv-min", type=_positive, metavar="N",
-                      help=f"smallest adaptive KV budget (default {kv_defaults.min_budget})")
+                      help=f"smallest adaptive KV budget (default {defaults.kv_min})")
     demo.add_argument("--kv-max", type=_positive, metavar="N",
                       help=f"largest adaptive KV budget (default {kv_defaults.max_budget})")
     demo.add_argument("--kv-min-saved", type=_floor, metavar="SHARE",

@@ -272,6 +272,10 @@ class Stack:
                     budget = max(fits)
                     why = (f"the largest that saves {o.kv_min_saved:.0%} of the KV on the task's reference "
                            "completions; the controller moves it from there")
+                else:  # short completions: even the lowest bound saves less; start there
+                    budget = lowest
+                    why = (f"the controller's lowest: no budget it may take saves {o.kv_min_saved:.0%} "
+                           "of the KV on the task's reference completions")
         self.o = dataclasses.replace(o, kv_budget=budget)
         self.say(f"[green]✓[/] KV budget {budget}: {why}")
 

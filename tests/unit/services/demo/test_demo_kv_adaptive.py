@@ -72,6 +72,7 @@ def test_the_options_reach_the_trainer(monkeypatch: pytest.MonkeyPatch, tmp_path
     above = _trainer_settings(monkeypatch, DemoOptions(kv_adaptive=True, kv_min=40), tmp_path).kv_control
     assert (above.start_budget, above.min_budget) == (40, 40)
     assert cli.main(["demo", "--kv-adaptive", "--kv-min", "64", "--kv-max", "32"]) == cli.EXIT_USAGE
+    assert cli.main(["demo", "--kv-max", "20"]) == cli.EXIT_USAGE  # under the default lowest, 26
 
 
 def test_the_first_budget_is_where_the_floor_lets_the_controller_go(monkeypatch: pytest.MonkeyPatch,

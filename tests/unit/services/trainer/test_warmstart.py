@@ -52,6 +52,9 @@ def test_cache_is_reused_and_keyed_by_recipe(tmp_path, monkeypatch):
 
 
 SMALL_CACHE: dict[str, int | str | bool] = {"policy": "rkv", "budget": 12, "buffer": 2, "keep_prompt": False}
+# Eviction-aware from the first step and checked under the cache trained under (the default recipe
+# before the gate and the demo's check became its defaults).
+FROM_THE_START: dict[str, None] = {"evict_from_sampled": None, "evicted_check_kv": None}
 
 
 def test_eviction_aware_warmstart_trains_chosen_rows_under_replayed_masks(tmp_path, monkeypatch):
@@ -69,7 +72,7 @@ def test_eviction_aware_warmstart_trains_chosen_rows_under_replayed_masks(tmp_pa
 
     monkeypatch.setattr(warmstart, "_evicted_rows", spy)
     recipe = WarmstartRecipe(steps=3, batch_size=8, sampled_target=None, eval_prompts=4, evict_share=1.0,
-                             evict_every=1, evict_kv=SMALL_CACHE)
+                             evict_every=1, evict_kv=SMALL_CACHE, **FROM_THE_START)
     train_warmstart(recipe, tmp_path, log_every=0)
     assert masked_rows == [8, 8, 8]
     model = AutoModelForCausalLM.from_pretrained(tmp_path)
@@ -87,7 +90,7 @@ def test_the_evicted_share_is_replayed_on_one_step_in_evict_every(tmp_path, monk
 
     monkeypatch.setattr(warmstart, "_evicted_rows", count)
     recipe = WarmstartRecipe(steps=5, batch_size=4, sampled_target=None, eval_prompts=0, evict_share=0.5,
-                             evict_every=2, evict_kv=SMALL_CACHE)
+                             evict_every=2, evict_kv=SMALL_CACHE, **FROM_THE_START)
     train_warmstart(recipe, tmp_path, log_every=0)
     assert replayed == [(4, 4)] * 3
 
@@ -112,7 +115,7 @@ def test_the_stop_waits_for_the_sampled_accuracy_under_the_cache(tmp_path, monke
     monkeypatch.setattr(engine_evaluation, "evaluate", engine_check)
     recipe = WarmstartRecipe(steps=20, batch_size=2, eval_prompts=0, evict_share=0.5, evict_kv=SMALL_CACHE,
                              check_from=2, check_every=2, sampled_target=0.4, evicted_target=0.3,
-                             evicted_check_prompts=8)
+                             evicted_check_prompts=8, **FROM_THE_START)
     report = train_warmstart(recipe, tmp_path / "evicted", log_every=0)
     assert report["steps_done"] == 6 and engine_checks == [8, 8, 8]
     assert [c.get("evicted_sampled_accuracy") for c in report["sampled_checks"]] == [0.1, 0.2, 0.5]
@@ -165,24 +168,25 @@ def test_eviction_aware_sft_starts_at_the_first_check_past_its_gate(tmp_path, mo
 
 
 def test_later_fields_are_part_of_the_recipe_hash_only_when_set():
-    """Recipes from before `evict_from_sampled` and `evicted_check_kv` keep their hashes (and their
-    cached warm starts); set, each makes a recipe of its own, and the command line sets both."""
-    default = WarmstartRecipe()
-    fields = default.model_dump()
+    """Recipes from before `evict_from_sampled` and `evicted_check_kv` (both None) keep their hashes
+    and their cached warm starts; set, each makes a recipe of its own. The command line gives the
+    default recipe, or the one before them with `--evict-from-sampled none --check-under train`."""
+    before = WarmstartRecipe(**FROM_THE_START)
+    fields = before.model_dump()
     del fields["evict_from_sampled"], fields["evicted_check_kv"]
     blob = json.dumps({"recipe": fields, "vocab": warmstart.char_vocab(), "version": warmstart.RECIPE_VERSION,
                        "torch": torch.__version__.split("+")[0]}, sort_keys=True)
-    assert default.fingerprint() == hashlib.sha256(blob.encode()).hexdigest()
-    assert WarmstartRecipe(evict_from_sampled=0.4).fingerprint() != default.fingerprint()
-    demo_checked = WarmstartRecipe(evicted_check_kv=warmstart.DEMO_WORKER_CACHE)
-    gated = WarmstartRecipe(evict_from_sampled=0.4)
-    assert demo_checked.fingerprint() not in (default.fingerprint(), gated.fingerprint())
-    args = warmstart.arg_parser().parse_args(
-        ["--out", "x", "--evict-from-sampled", "0.4", "--check-under", "demo"])
-    parsed = warmstart.recipe_from_args(args)
-    assert parsed.evict_from_sampled == 0.4 and parsed.evicted_check_kv == warmstart.DEMO_WORKER_CACHE
-    assert parsed.model_copy(update={"evict_from_sampled": None, "evicted_check_kv": None}) == default
-    assert warmstart.recipe_from_args(warmstart.arg_parser().parse_args(["--out", "x"])) == default
+    assert before.fingerprint() == hashlib.sha256(blob.encode()).hexdigest()
+    default = WarmstartRecipe()
+    assert default.evict_from_sampled == 0.2 and default.evicted_check_kv == warmstart.DEMO_WORKER_CACHE
+    gated = before.model_copy(update={"evict_from_sampled": 0.2})
+    assert len({before.fingerprint(), gated.fingerprint(), default.fingerprint()}) == 3
+    parse = warmstart.arg_parser().parse_args
+    assert warmstart.recipe_from_args(parse(["--out", "x"])) == default
+    old = parse(["--out", "x", "--evict-from-sampled", "none", "--check-under", "train"])
+    assert warmstart.recipe_from_args(old) == before
+    gate = parse(["--out", "x", "--evict-from-sampled", "0.4"])
+    assert warmstart.recipe_from_args(gate).evict_from_sampled == 0.4
 
 
 def test_the_stop_can_check_under_another_cache_than_the_one_trained_under(tmp_path, monkeypatch):
@@ -208,7 +212,7 @@ def test_the_stop_can_check_under_another_cache_than_the_one_trained_under(tmp_p
     check_cache = {**SMALL_CACHE, "budget": 16, "keep_prompt": True}
     recipe = WarmstartRecipe(steps=20, batch_size=2, eval_prompts=2, evict_share=0.5, evict_kv=SMALL_CACHE,
                              check_from=2, check_every=2, sampled_target=0.4, evicted_target=0.4,
-                             evicted_check_kv=check_cache)
+                             evict_from_sampled=None, evicted_check_kv=check_cache)
     report = train_warmstart(recipe, tmp_path, log_every=0)
     assert report["steps_done"] == 2 and replay_kvs == [(12, False)]
     assert check_kvs == [(16, True), (16, True)]  # the stop's check, then the report's
