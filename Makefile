@@ -47,7 +47,7 @@ test: setup
 test-chaos: setup
 	$(PY) -m pytest -q -m chaos $(PYTEST_ARGS)
 
-# The demo's learning criteria over three seeds (~10 minutes on 2 cores, plus a 5-6 minute warm
+# The demo's learning criteria over three seeds (~8 minutes on 2 cores, plus a 2.5-minute warm
 # start the first time). Not in CI: it measures a CPU kind, not the code. With the present defaults
 # (the sum scratchpad, the prompt kept) it passed natively on an AVX512-BF16 Zen 4, whose batches had
 # risen less than 10 points in most runs before; on an AVX2-only Zen 3 the same criteria held in 4 of 4

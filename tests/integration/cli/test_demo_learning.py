@@ -4,7 +4,8 @@ over REST) with its defaults, once per seed. Each run must raise its training ba
 and the policy's held-out accuracy with a dense cache must rise too, without the corrections
 throwing most of the batch away (issues 12 and 26; docs/training.md has the numbers). R-KV saves at
 least 40 % of the KV cache (R-KV from the budget that floor allows on the task, 30 + buffer 2
-besides the prompt, moved by the trainer's controller above the demo's floor of 40 % saved), and a
+besides the prompt, moved by the trainer's controller, not below 26 tokens nor under the demo's floor
+of 40 % saved), and a
 run takes at most 4 minutes once the warm start is cached (issue 26).
 
 Slow (2-3 minutes per seed on 2 cores, plus the warm start the first time): `make test-slow`, not
