@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # imported where used: dense SFT (the default) needs neither 
     from services.rollout.engine import KVConfig
     from services.trainer.eviction_masks import EvictionMasks
 
-# The cache the default warm start trains and checks under: the demo's workers' (shared.kv.DEMO_KV)
+# The cache the default warm start trains under: the demo's workers' (shared.kv.DEMO_KV)
 # with the prompt evictable, a stricter cache than theirs (the prompt kept). The recipe as measured
 # with the demo's defaults (docs/training.md, "The sum scratchpad in the demo").
 DEMO_CACHE: dict[str, int | str | bool] = {
@@ -129,8 +129,9 @@ class WarmstartRecipe(BaseModel):
     # the demo met every criterion in 6 of 6 runs natively and capped (docs/training.md, "An earlier
     # gate and the stop checked under the demo's own cache"); at 0.4 it missed the rise capped.
     evict_from_sampled: float | None = Field(default=0.2, ge=0.0, le=1.0)
-    # With eviction-aware SFT the stop also waits until the sampled (T = 1) accuracy under `evict_kv`
-    # (the rollout engine, bf16 as a worker holds the weights, `evicted_check_prompts` prompts)
+    # With eviction-aware SFT the stop also waits until the sampled (T = 1) accuracy under a cache
+    # (`evicted_check_kv`; the rollout engine, bf16 as a worker holds the weights,
+    # `evicted_check_prompts` prompts)
     # reaches this: the demo's batches are sampled under that cache, and on some CPUs the dense target
     # arrived while the cached sampler was at under half of it (docs/training.md, "The demo").
     evicted_target: float | None = 0.4
@@ -568,8 +569,8 @@ def arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--room-target", type=float, default=defaults.room_target,
                         help="stop by room for RL (eviction-aware recipes; see WarmstartRecipe.room_target)")
     parser.add_argument("--evict-budget", type=int, default=defaults.evict_kv["budget"],
-                        help="the budget of the cache the eviction-aware SFT trains and checks under "
-                        "(evict_kv; the demo's cache by default)")
+                        help="the budget of the cache the eviction-aware SFT trains under (evict_kv; "
+                        "the demo's by default; its stop checks under it too with --check-under train)")
     parser.add_argument("--evict-from-sampled", type=_accuracy_or_none, default=defaults.evict_from_sampled,
                         metavar="ACCURACY", help="dense SFT until a check's sampled accuracy reaches "
                         "this, eviction-aware after (WarmstartRecipe.evict_from_sampled; default "
