@@ -34,7 +34,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config,
 
 from services.trainer.evaluation import evaluate
 from shared.dtypes import compute_dtype
-from shared.kv import DEMO_KV, DEMO_KV_BUDGET, DEMO_KV_BUFFER, DEMO_KV_POLICY
+from shared.kv import DEMO_KV
 from shared.modeling import qwen3_config
 from shared.tasks import Task, get_task
 from shared.tasks.addition import Scratchpad
@@ -44,15 +44,12 @@ if TYPE_CHECKING:  # imported where used: dense SFT (the default) needs neither 
     from services.rollout.engine import KVConfig
     from services.trainer.eviction_masks import EvictionMasks
 
-# The cache the default warm start trains under: the demo's workers' (shared.kv.DEMO_KV)
-# with the prompt evictable, a stricter cache than theirs (the prompt kept). The recipe as measured
-# with the demo's defaults (docs/training.md, "The sum scratchpad in the demo").
-DEMO_CACHE: dict[str, int | str | bool] = {
-    "policy": DEMO_KV_POLICY, "budget": DEMO_KV_BUDGET, "buffer": DEMO_KV_BUFFER, "keep_prompt": False}
-# The demo's workers' own cache (the prompt kept), for `evicted_check_kv`.
-DEMO_WORKER_CACHE: dict[str, int | str | bool] = {
-    "policy": DEMO_KV.policy, "budget": DEMO_KV.budget, "buffer": DEMO_KV.buffer,
-    "keep_prompt": DEMO_KV.keep_prompt}
+# The demo's workers' own cache (shared.kv.DEMO_KV, the prompt kept), for `evicted_check_kv`.
+DEMO_WORKER_CACHE: dict[str, int | str | bool] = DEMO_KV.model_dump(
+    include={"policy", "budget", "buffer", "keep_prompt"})
+# The cache the default warm start trains under: theirs with the prompt evictable, a stricter cache.
+# The recipe as measured with the demo's defaults (docs/training.md, "The sum scratchpad in the demo").
+DEMO_CACHE: dict[str, int | str | bool] = {**DEMO_WORKER_CACHE, "keep_prompt": False}
 # Fields added after recipes were cached: at their default (None) they stay out of the hash, so the
 # recipes before them keep their hashes and their cached warm starts.
 LATER_FIELDS = ("evict_from_sampled", "evicted_check_kv")
