@@ -93,7 +93,10 @@ class WarmstartRecipe(BaseModel):
     # Stop early once the sampled (T = 1) accuracy on `eval_prompts` fresh prompts of the first task
     # reaches this, checked every `check_every` steps: RL wants a *partial* warm start.
     sampled_target: float | None = 0.4
-    check_every: int = 50
+    # 25, not 50: a capped CPU's dense check went from 28 to 88 % between two checks 50 steps apart,
+    # so the stop came at a model with little room left for RL (rises +7 to +13); checked every 25 it
+    # stopped at 475 and the demos rose +32 to +48 (docs/training.md, "On an Intel AMX CPU").
+    check_every: int = 25
     check_from: int = 300  # no recipe here crossed 0.4 before ~450 steps: skip the checks' cost until then
     # Sparsity-aware warm start: this share of the SFT examples lets every completion token attend
     # only to the prompt and the last `local_window` completion tokens, so the model learns not to
@@ -537,7 +540,7 @@ def recipe_from_args(args: argparse.Namespace) -> WarmstartRecipe:
                            level_sampling=args.level_sampling, room_target=args.room_target,
                            task_options={**defaults.task_options, "addition": addition},
                            evict_kv={**defaults.evict_kv, "budget": args.evict_budget},
-                           evict_from_sampled=args.evict_from_sampled,
+                           evict_from_sampled=args.evict_from_sampled, check_every=args.check_every,
                            evicted_check_kv=None if args.check_under == "train" else dict(DEMO_WORKER_CACHE))
 
 
@@ -576,6 +579,8 @@ def arg_parser() -> argparse.ArgumentParser:
                         help="the cache the stop's check samples under: the one trained under "
                         "(evict_kv) or the demo's workers' (the prompt kept; "
                         "WarmstartRecipe.evicted_check_kv)")
+    parser.add_argument("--check-every", type=int, default=defaults.check_every,
+                        help="steps between the stop's sampled checks (WarmstartRecipe.check_every)")
     parser.add_argument("--scratchpad", choices=get_args(Scratchpad),
                         help="addition's scratchpad (shared.tasks.addition; default: the recipe's)")
     parser.add_argument("--log-every", type=int, default=50)

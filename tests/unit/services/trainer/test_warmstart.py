@@ -170,8 +170,9 @@ def test_eviction_aware_sft_starts_at_the_first_check_past_its_gate(tmp_path, mo
 def test_later_fields_are_part_of_the_recipe_hash_only_when_set():
     """Recipes from before `evict_from_sampled` and `evicted_check_kv` (both None) keep their hashes
     and their cached warm starts; set, each makes a recipe of its own. The command line gives the
-    default recipe, or the one before them with `--evict-from-sampled none --check-under train`."""
-    before = WarmstartRecipe(**FROM_THE_START)
+    default recipe, or the one before them with `--evict-from-sampled none --check-under train
+    --check-every 50`."""
+    before = WarmstartRecipe(**FROM_THE_START, check_every=50)
     fields = before.model_dump()
     del fields["evict_from_sampled"], fields["evicted_check_kv"]
     blob = json.dumps({"recipe": fields, "vocab": warmstart.char_vocab(), "version": warmstart.RECIPE_VERSION,
@@ -183,10 +184,14 @@ def test_later_fields_are_part_of_the_recipe_hash_only_when_set():
     assert len({before.fingerprint(), gated.fingerprint(), default.fingerprint()}) == 3
     parse = warmstart.arg_parser().parse_args
     assert warmstart.recipe_from_args(parse(["--out", "x"])) == default
-    old = parse(["--out", "x", "--evict-from-sampled", "none", "--check-under", "train"])
+    old = parse(["--out", "x", "--evict-from-sampled", "none", "--check-under", "train",
+                 "--check-every", "50"])
     assert warmstart.recipe_from_args(old) == before
     gate = parse(["--out", "x", "--evict-from-sampled", "0.4"])
     assert warmstart.recipe_from_args(gate).evict_from_sampled == 0.4
+    assert default.check_every == 25
+    coarser = warmstart.recipe_from_args(parse(["--out", "x", "--check-every", "50"]))
+    assert coarser.check_every == 50 and coarser.fingerprint() != default.fingerprint()
 
 
 def test_the_stop_can_check_under_another_cache_than_the_one_trained_under(tmp_path, monkeypatch):
