@@ -47,7 +47,7 @@ test: setup
 test-chaos: setup
 	$(PY) -m pytest -q -m chaos $(PYTEST_ARGS)
 
-# The demo's learning criteria over three seeds (~8 minutes on 2 cores, plus a 2.5-minute warm
+# The demo's learning criteria over three seeds (~7-8 minutes on 2 cores, plus a 2-minute warm
 # start the first time). Not in CI: it measures a CPU kind, not the code. With the present defaults
 # it passed natively on an Intel AMX (model 167); with the twenty-fifth stop's, from the same warm
 # start there, it failed once on one seed's batch noise (+1.0 points, held-out +32) and passed on an

@@ -96,7 +96,7 @@ class WarmstartRecipe(BaseModel):
     # 25, not 50: a capped CPU's dense check went from 28 to 88 % between two checks 50 steps apart,
     # so the stop came at a model with little room left for RL (rises +7 to +13); checked every 25 it
     # stopped at 475 and the demos rose +32 to +48 (docs/training.md, "On an Intel AMX CPU").
-    check_every: int = 25
+    check_every: int = Field(default=25, ge=1)
     check_from: int = 300  # no recipe here crossed 0.4 before ~450 steps: skip the checks' cost until then
     # Sparsity-aware warm start: this share of the SFT examples lets every completion token attend
     # only to the prompt and the last `local_window` completion tokens, so the model learns not to

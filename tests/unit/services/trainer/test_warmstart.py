@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import ValidationError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.trainer import warmstart
@@ -192,6 +193,8 @@ def test_later_fields_are_part_of_the_recipe_hash_only_when_set():
     assert default.check_every == 25
     coarser = warmstart.recipe_from_args(parse(["--out", "x", "--check-every", "50"]))
     assert coarser.check_every == 50 and coarser.fingerprint() != default.fingerprint()
+    with pytest.raises(ValidationError):
+        warmstart.recipe_from_args(parse(["--out", "x", "--check-every", "0"]))
 
 
 def test_the_stop_can_check_under_another_cache_than_the_one_trained_under(tmp_path, monkeypatch):
