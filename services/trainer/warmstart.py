@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from services.trainer.evaluation import evaluate
@@ -95,7 +95,8 @@ class WarmstartRecipe(BaseModel):
     sampled_target: float | None = 0.4
     # 25, not 50: a capped CPU's dense check went from 28 to 88 % between two checks 50 steps apart,
     # so the stop came at a model with little room left for RL (rises +7 to +13); checked every 25 it
-    # stopped at 475 and the demos rose +32 to +48 (docs/training.md, "On an Intel AMX CPU").
+    # stopped at 475 (rises +32 to +48), and the demo met every criterion in 6 of 6 runs natively and
+    # capped (docs/training.md, "On an Intel AMX CPU"; a third capped warm start still missed the rise).
     check_every: int = Field(default=25, ge=1)
     check_from: int = 300  # no recipe here crossed 0.4 before ~450 steps: skip the checks' cost until then
     # Sparsity-aware warm start: this share of the SFT examples lets every completion token attend
@@ -588,8 +589,12 @@ def arg_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = arg_parser().parse_args(argv)
-    recipe = recipe_from_args(args)
+    parser = arg_parser()
+    args = parser.parse_args(argv)
+    try:
+        recipe = recipe_from_args(args)
+    except ValidationError as exc:  # e.g. --check-every 0: a usage error, not a traceback
+        parser.error(f"the recipe refuses this command line: {exc}")
     if args.ensure:
         cache = Path(args.ensure)
         if not is_current(cache / f"warmstart-{recipe.fingerprint()[:16]}", recipe):

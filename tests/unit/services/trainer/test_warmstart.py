@@ -195,6 +195,9 @@ def test_later_fields_are_part_of_the_recipe_hash_only_when_set():
     assert coarser.check_every == 50 and coarser.fingerprint() != default.fingerprint()
     with pytest.raises(ValidationError):
         warmstart.recipe_from_args(parse(["--out", "x", "--check-every", "0"]))
+    with pytest.raises(SystemExit) as usage:  # the command line says so instead of a traceback
+        warmstart.main(["--out", "x", "--check-every", "0"])
+    assert usage.value.code == 2
 
 
 def test_the_stop_can_check_under_another_cache_than_the_one_trained_under(tmp_path, monkeypatch):
