@@ -52,7 +52,7 @@ DEMO_WORKER_CACHE: dict[str, int | str | bool] = DEMO_KV.model_dump(
 DEMO_CACHE: dict[str, int | str | bool] = {**DEMO_WORKER_CACHE, "keep_prompt": False}
 # Fields added after recipes were cached: at their default (None) they stay out of the hash, so the
 # recipes before them keep their hashes and their cached warm starts.
-LATER_FIELDS = ("evict_from_sampled", "evicted_check_kv", "level_floor")
+LATER_FIELDS = ("evict_from_sampled", "evicted_check_kv")
 
 # Bump when the training code changes in a way the recipe fields do not capture.
 RECIPE_VERSION = 3  # 2: balanced digit counts, explicit cross-entropy; 3: seeded sampling checks
@@ -165,13 +165,7 @@ class WarmstartRecipe(BaseModel):
     # weights of the check with the most room are kept.
     room_target: float | None = None
     room_floor: float = 0.1
-    room_prompts: int = 64  # per level, in the room check and the level floor's
-    # No stop (the targets or the dense ceiling) while a level of the first task samples below
-    # `level_floor` dense on `room_prompts` fresh prompts, checked only where the recipe would
-    # otherwise stop: a level the model never gets right gives GRPO groups with no success and no
-    # signal, and RL saturates the other levels (docs/training.md, "The recipe's seed 2 on this
-    # kind"). Unset: no floor; 0.5 held a capped SFT to its bound (the seventeenth stop).
-    level_floor: float | None = Field(default=None, gt=0.0, le=1.0)
+    room_prompts: int = 64
 
     def fingerprint(self) -> str:
         """Hash of everything that determines the weights: recipe, vocab, code version."""
@@ -422,16 +416,6 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
                 checks[-1]["eviction_aware_from"] = evict_from
             if sampled["accuracy"] < recipe.sampled_target:
                 continue
-            if recipe.level_floor is not None:
-                levels = [evaluate(model, tokenizer, level,
-                                   level.make_prompts(recipe.room_prompts, 7_800_001 + 16 * step + i),
-                                   sample=True, seed=step)["accuracy"]
-                          for i, level in enumerate(first_task.levels())]
-                checks[-1]["levels_sampled"] = levels
-                print(f"warmstart step {step + 1} sampled accuracy per level "
-                      f"{' '.join(f'{a:.2f}' for a in levels)}", flush=True)
-                if min(levels) < recipe.level_floor:
-                    continue
             if evict is None or (recipe.evicted_target is None and recipe.room_target is None):
                 break
             if recipe.room_target is not None:
@@ -555,7 +539,6 @@ def recipe_from_args(args: argparse.Namespace) -> WarmstartRecipe:
     return WarmstartRecipe(steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
                            threads=args.threads, eval_prompts=args.eval_prompts,
                            level_sampling=args.level_sampling, room_target=args.room_target,
-                           level_floor=args.level_floor,
                            task_options={**defaults.task_options, "addition": addition},
                            evict_kv={**defaults.evict_kv, "budget": args.evict_budget},
                            evict_from_sampled=args.evict_from_sampled, check_every=args.check_every,
@@ -586,9 +569,6 @@ def arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--level-sampling", choices=["uniform", "loss"], default=defaults.level_sampling)
     parser.add_argument("--room-target", type=float, default=defaults.room_target,
                         help="stop by room for RL (eviction-aware recipes; see WarmstartRecipe.room_target)")
-    parser.add_argument("--level-floor", type=float, default=defaults.level_floor, metavar="ACCURACY",
-                        help="no stop while a level samples below this dense "
-                        "(WarmstartRecipe.level_floor; default: none)")
     parser.add_argument("--evict-budget", type=int, default=defaults.evict_kv["budget"],
                         help="the budget of the cache the eviction-aware SFT trains under (evict_kv; "
                         "the demo's by default; its stop checks under it too with --check-under train)")

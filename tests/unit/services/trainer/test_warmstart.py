@@ -169,13 +169,13 @@ def test_eviction_aware_sft_starts_at_the_first_check_past_its_gate(tmp_path, mo
 
 
 def test_later_fields_are_part_of_the_recipe_hash_only_when_set():
-    """Recipes from before `evict_from_sampled`, `evicted_check_kv` and `level_floor` (all None) keep
-    their hashes and their cached warm starts; set, each makes a recipe of its own. The command line gives the
+    """Recipes from before `evict_from_sampled` and `evicted_check_kv` (both None) keep their hashes
+    and their cached warm starts; set, each makes a recipe of its own. The command line gives the
     default recipe, or the one before them with `--evict-from-sampled none --check-under train
     --check-every 50`."""
     before = WarmstartRecipe(**FROM_THE_START, check_every=50)
     fields = before.model_dump()
-    del fields["evict_from_sampled"], fields["evicted_check_kv"], fields["level_floor"]
+    del fields["evict_from_sampled"], fields["evicted_check_kv"]
     blob = json.dumps({"recipe": fields, "vocab": warmstart.char_vocab(), "version": warmstart.RECIPE_VERSION,
                        "torch": torch.__version__.split("+")[0]}, sort_keys=True)
     assert before.fingerprint() == hashlib.sha256(blob.encode()).hexdigest()
@@ -198,35 +198,6 @@ def test_later_fields_are_part_of_the_recipe_hash_only_when_set():
     with pytest.raises(SystemExit) as usage:  # the command line says so instead of a traceback
         warmstart.main(["--out", "x", "--check-every", "0"])
     assert usage.value.code == 2
-    floored = warmstart.recipe_from_args(parse(["--out", "x", "--level-floor", "0.15"]))
-    assert default.level_floor is None and floored.level_floor == 0.15
-    assert floored.fingerprint() != default.fingerprint()
-
-
-def test_the_level_floor_holds_the_stop_until_every_level_samples_above_it(tmp_path, monkeypatch):
-    """Past the overall target, a check whose weakest level samples under `level_floor` does not stop
-    the SFT: a level the model never gets right gives RL no signal."""
-    recipe = WarmstartRecipe(steps=8, batch_size=2, eval_prompts=0, check_from=2, check_every=2,
-                             sampled_target=0.4, level_floor=0.2, room_prompts=2)
-    per_level = iter([[0.9, 0.8, 0.1, 0.0], [0.9, 0.8, 0.3, 0.1], [0.9, 0.8, 0.3, 0.2]])
-    current: list[float] = []
-
-    def dense_check(model, tokenizer, task, prompts, sample, seed=0):
-        nonlocal current
-        if task.min_digits != task.max_digits:  # the whole task: past the target at every check
-            return {"accuracy": 0.8, "mean_reward": 0.0}
-        if task.min_digits == 3:  # the first level: a new check
-            current = next(per_level)
-        return {"accuracy": current[task.min_digits - 3], "mean_reward": 0.0}
-
-    monkeypatch.setattr(warmstart, "evaluate", dense_check)
-    report = train_warmstart(recipe, tmp_path / "floored", log_every=0)
-    assert report["steps_done"] == 6
-    assert [c["levels_sampled"] for c in report["sampled_checks"]] == [
-        [0.9, 0.8, 0.1, 0.0], [0.9, 0.8, 0.3, 0.1], [0.9, 0.8, 0.3, 0.2]]
-    unfloored = train_warmstart(recipe.model_copy(update={"level_floor": None}), tmp_path / "plain",
-                                log_every=0)
-    assert unfloored["steps_done"] == 2 and "levels_sampled" not in unfloored["sampled_checks"][0]
 
 
 def test_the_stop_can_check_under_another_cache_than_the_one_trained_under(tmp_path, monkeypatch):
