@@ -472,14 +472,42 @@ def apply_socket_buffers(sock: socket.socket, want: int) -> dict[int, int]:
     return chosen
 
 
-def peer_listener(host: str, port: int, buffer_bytes: int = SOCKET_BUFFER_BYTES) -> socket.socket:
+# A hop forwards bytes as they land, so its sending rate is its upstream's. BBR (Linux's tcp_bbr,
+# the default on some hosts) models the path from such app-limited delivery: a hop's estimate
+# stays near the rate its upstream had, and rises by at most a quarter per ~8 round trips when the
+# upstream speeds up, so a chain runs at the slowest rate any hop learned (with the head fetching
+# at the link's rate, BBR hops took 1.62 s a version against cubic's 1.30: docs/registry.md, "The
+# head in one request"). Cubic's window is not paced and kept across idle versions
+# (tcp_slow_start_after_idle=0). Set on the peer listener, whose accepted sockets (the sending
+# side of every hop) inherit it; "": the host's default. Where the kernel refuses it, the
+# default stays (logged once).
+PEER_CONGESTION = "cubic"
+
+
+def apply_congestion(sock: socket.socket, name: str) -> bool:
+    """Set TCP congestion control `name` on `sock` (TCP_CONGESTION); False where the kernel has no
+    such algorithm or does not allow it to this process (net.ipv4.tcp_allowed_congestion_control)."""
+    option = getattr(socket, "TCP_CONGESTION", None)
+    if not name or option is None:
+        return False
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, option, name.encode())
+    except OSError as exc:
+        log.warning("peer sockets keep the host's congestion control (%s refused: %s)", name, exc)
+        return False
+    return True
+
+
+def peer_listener(host: str, port: int, buffer_bytes: int = SOCKET_BUFFER_BYTES,
+                  congestion: str = PEER_CONGESTION) -> socket.socket:
     """A listening socket for a worker's relay server (`uvicorn.Server(config).serve(sockets=[it])`)
-    with socket_buffers set: the connections it accepts inherit them."""
+    with socket_buffers and the congestion control set: the connections it accepts inherit them."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         apply_socket_buffers(sock, buffer_bytes)
+        apply_congestion(sock, congestion)
         sock.bind((host, port))
         sock.listen(2048)
     except OSError:

@@ -327,16 +327,19 @@ class Downloader:
 
     async def fetch_direct(self, downloads: Sequence[_Download], *, in_order: bool = False,
                            timing: PathTiming | None = None) -> None:
-        """Fill downloads from the registry (the body of download()). `in_order`: one piece per
-        request, taken in index order, so pieces verify about in order (a relay serving peers
-        while it downloads: they stream in order, and would wait on a piece at the start of
-        another stream's run). `timing`: what the requests saw of the path (PathTiming)."""
+        """Fill downloads from the registry (the body of download()). `in_order`: each run of
+        missing pieces in one ranged request, runs one after another on one stream, so pieces land
+        in index order at the link's rate (a relay serving peers while it downloads: they stream in
+        order, and would wait on a piece at the start of another stream's run; one piece per
+        request on several streams instead leaves each stream idle a round trip per piece, ~0.56 of
+        1 Gbit/s at 100 ms: docs/registry.md, "The head in one request"). `timing`: what the
+        requests saw of the path (PathTiming)."""
         pending = sum(d.done.count(False) for d in downloads)
         share = -(-pending // self.transport.streams)
         queue: asyncio.Queue[tuple[_Download, int, int]] = asyncio.Queue()
         for download in downloads:
-            most = 1 if in_order else max(1, min(share, RUN_BYTES // download.ref.piece_bytes))
             i, n = 0, len(download.done)
+            most = n if in_order else max(1, min(share, RUN_BYTES // download.ref.piece_bytes))
             while i < n:
                 if download.done[i]:
                     i += 1
@@ -360,7 +363,7 @@ class Downloader:
 
         try:
             async with asyncio.TaskGroup() as group:
-                for _ in range(min(self.transport.streams, max(1, queue.qsize()))):
+                for _ in range(1 if in_order else min(self.transport.streams, max(1, queue.qsize()))):
                     group.create_task(stream(group))
         except ExceptionGroup as errors:
             # The first failure cancels the other streams; callers handle plain exceptions.

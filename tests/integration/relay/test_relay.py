@@ -116,6 +116,27 @@ async def test_second_worker_fetches_every_piece_from_the_first(
         assert plan["peers"] == {key: [a.downloader.relay.url]}
 
 
+async def test_the_pipelines_head_takes_each_object_in_one_ranged_request(
+    url: str, chain: Chain, peers: ExitStack
+) -> None:
+    """In index order at the link's rate: one request per object, not one per piece on several
+    streams (each stream would sit idle a round trip per piece; docs/registry.md)."""
+    pieces = -(-len(chain.patches[1]) // 4096)
+    assert pieces > 1  # one request per piece would be several
+    async with worker(url, "a", peers) as a:
+        ranges: list[str | None] = []
+
+        async def note(request: httpx.Request) -> None:
+            if "/objects/" in request.url.path:
+                ranges.append(request.headers.get("Range"))
+
+        a.downloader.transport._http.event_hooks["request"].append(note)
+        state = clone(chain.states[0])
+        await sync_weights(a, state, 0, target=1)
+        assert same(state, chain.states[1]) and a.downloader.relay.stats.peer_pieces == 0
+        assert ranges == [f"bytes=0-{len(chain.patches[1]) - 1}"]
+
+
 @pytest.mark.parametrize("keeping", [True, False])
 async def test_a_worker_announcing_between_versions_stays_listed_past_the_registrys_ttl(
     tmp_path: Path, chain: Chain, peers: ExitStack, keeping: bool

@@ -1,5 +1,6 @@
 """Socket windows of relay connections (shared.relay): set only where they widen what the kernel's
-autotuning reaches, capped by what it allows, and inherited by a peer server's connections."""
+autotuning reaches, capped by what it allows, and inherited by a peer server's connections, as is
+the peer listener's congestion control."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import socket
 import pytest
 
 from shared import relay
-from shared.relay import KernelLimits, peer_listener, socket_buffers
+from shared.relay import PEER_CONGESTION, KernelLimits, apply_congestion, peer_listener, socket_buffers
 
 MB = 1 << 20
 
@@ -39,3 +40,35 @@ def test_a_peer_listener_hands_its_buffers_to_the_connections_it_accepts(
         with accepted:
             for option, size in chosen.items():  # the kernel reports twice what was set
                 assert accepted.getsockopt(socket.SOL_SOCKET, option) >= size
+
+
+def _available_congestion() -> list[str]:
+    try:
+        with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as file:
+            return file.read().split()
+    except OSError:
+        return []
+
+
+def _congestion(sock: socket.socket) -> str:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0")[0].decode()
+
+
+@pytest.mark.skipif(PEER_CONGESTION not in _available_congestion(),
+                    reason=f"the kernel has no {PEER_CONGESTION} congestion control")
+def test_a_peer_listener_hands_its_congestion_control_to_the_connections_it_accepts() -> None:
+    listener = peer_listener("127.0.0.1", 0)
+    with listener, socket.create_connection(listener.getsockname(), timeout=5):
+        listener.setblocking(True)
+        accepted, _ = listener.accept()  # the sending side of a hop
+        with accepted:
+            assert _congestion(accepted) == PEER_CONGESTION
+
+
+def test_a_congestion_control_the_kernel_lacks_leaves_the_default(caplog: pytest.LogCaptureFixture) -> None:
+    with socket.socket() as sock:
+        before = _congestion(sock)
+        assert not apply_congestion(sock, "no-such-cc")
+        assert _congestion(sock) == before
+        assert "keep the host's congestion control" in caplog.text
+        assert not apply_congestion(sock, "")  # "": the host's default, nothing set
