@@ -22,7 +22,8 @@ warm up one after another in index order, so that order is their index; in `rela
 order of arrival); the JSON's `slow_workers` says which.
 Workers download and verify only: applying a patch is GPU work, not measured here.
 `--profile-worker I` writes a cProfile of worker I's relay run (its top functions go into the
-JSON).
+JSON). The plot beside the JSON (`python -m bench.wan_relay JSON...` draws it again): seconds until
+all 8 hold each version per mode, and relayed ÷ direct against the 0.5 target.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from typing import Any
 from bench.netns import Link, Net, every_pair_rtt
 from bench.wan_stack import GBIT, MBIT, PEER_PORT, REDIS_PORT, REGISTRY_PORT, ROOT, RUN, TOKEN, Stack, barrier
 from shared.gcheap import freeze_startup_heap
+from shared.relay import PEER_CONGESTION
 
 WORKERS = 8
 RATES = {"1gbit": GBIT, "100mbit": 100 * MBIT}
@@ -392,6 +394,7 @@ def main(args: argparse.Namespace) -> None:
         net.shape(uplink, links)
         result["tcp"] = net.tune_tcp(args.tcp_buffer_mb << 20 if args.tcp_buffer_mb else None,
                                      slow_start_after_idle=not args.no_idle_restart)
+        result["tcp"]["peer_listener_congestion_control"] = PEER_CONGESTION or "the namespace's"
         stack = Stack(net, scratch)
         try:
             for name in modes:
@@ -441,4 +444,44 @@ def main(args: argparse.Namespace) -> None:
                                                          f"-{args.relay_link}")
                              + (f"-slow{len(slow)}x{args.slow_mbit:g}mbit" if slow else "") + ".json")
     out.write_text(json.dumps(result, indent=1))
+    plot(result, out.with_suffix(".png"))
     shutil.rmtree(scratch, ignore_errors=True)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by = {m["mode"]: m for m in result["modes"] if m["mode"] != "relay-kill"}
+    if not by:
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for name, mode in by.items():
+        versions = [v["version"] for v in mode["versions"]]
+        ax1.plot(versions, [v["all_hold_s"] for v in mode["versions"]], marker="o", label=name)
+    ax1.set_xlabel("version")
+    ax1.set_ylabel("seconds until all 8 hold it")
+    ax1.set_ylim(bottom=0)
+    ax1.legend(fontsize=8)
+    if "relay" in by and "direct" in by:
+        pairs = list(zip(by["relay"]["versions"], by["direct"]["versions"], strict=True))
+        ax2.bar([r["version"] for r, _ in pairs], [r["all_hold_s"] / d["all_hold_s"] for r, d in pairs])
+        ax2.axhline(0.5, color="k", ls=":", lw=0.8, label="target: ≤ 0.5")
+        ax2.set_xlabel("version")
+        ax2.set_ylabel("relayed ÷ direct")
+        ax2.legend(fontsize=8)
+    tcp = result.get("tcp") or {}
+    fig.suptitle(f"{result['workers']} workers, links {result['worker_link_bps'] / 1e9:g} Gbit/s, RTT "
+                 f"{result.get('rtt_ms', 0):g} ms between every pair, {result['versions']} versions of the "
+                 f"{result['chain']['shape']} chain, one version published once all hold the last; "
+                 f"{tcp.get('net.ipv4.tcp_congestion_control', '?')} (peers: "
+                 f"{tcp.get('peer_listener_congestion_control', 'the same')}); {result['host']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:]:
+        plot(json.loads(Path(name).read_text()), Path(name).with_suffix(".png"))
