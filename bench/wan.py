@@ -25,7 +25,8 @@ one on 1 Gbit/s, an rkv worker on 100 Mbit/s). A worker may generate with weight
 `staleness_bound` versions behind the newest it knows (CoordSettings' default, 1); beyond that it
 waits. Reported per run: tokens/s and its ratio to the unthrottled run of the same arm (and to the
 profile's ideal), staleness per batch and per version, sync times, registry egress bytes (the
-uplink's counter and the registry's own).
+uplink's counter and the registry's own). A run in which no sync ended inside its window (full
+weights, even unthrottled on a 2-core host) is marked `unmeasurable` and gets no ratio.
 
 Delay (`--rtt-ms R`, default 0): every pair of endpoints (worker ↔ registry, worker ↔ worker) is R
 apart, R / 2 on each link, the uplink's included (bench/netns.py every_pair_rtt; a userspace delay
@@ -607,18 +608,36 @@ def published_staleness(row: dict[str, Any], profiles: dict[str, Any]) -> dict[s
     }
 
 
+def unmeasurable(row: dict[str, Any], version_bytes: int) -> str | None:
+    """Why a run's tokens say nothing about its transfer, or None. A run in which no sync ended
+    inside the window (full weights: a 3.44 GB version on a slow link, or on this host's own disk
+    and hashing) generated on v0 throughout, as fast as its schedule allowed: its ratio would
+    measure the staleness limit, not the transfer."""
+    if row["sync_s"]["n"]:
+        return None
+    rates = [x for x in row["link_bps"] if x] or [None]
+    floor = f"{version_bytes * 8 / min(rates):.1f} s" if rates[0] else "unthrottled"
+    return (f"no sync ended inside the {row['window_s']} s window: a version is {version_bytes} bytes "
+            f"({floor} at the slowest link) against a {row['step_s']} s step")
+
+
 def finish(result: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    """Ratios to the unthrottled run of the same arm, and the targets."""
+    """Ratios to the unthrottled run of the same arm, and the targets. A run with no sync inside
+    its window (unmeasurable) gets no ratio, nor does a run whose baseline is one."""
     for r in rows:
         if r.get("workers"):
             r["staleness_at_trainer"] = published_staleness(r, result["profiles"])
-    base = {(r["mode"], r["sync"], r["links"]): r for r in rows if r["links"].startswith("unthrottled")}
+        version_bytes = result["chain"]["dense_bytes"] if r["mode"] == "full" else max(
+            v["patch_bytes"] for v in result["chain"]["versions"])
+        r["unmeasurable"] = unmeasurable(r, version_bytes)
+    base = {(r["mode"], r["sync"], r["links"]): r for r in rows
+            if r["links"].startswith("unthrottled") and not r["unmeasurable"]}
     for r in rows:
         links = r["links"] if r["links"].startswith("unthrottled") else baseline_links(r["links"])
-        b = base.get((r["mode"], r["sync"], links))
+        b = None if r["unmeasurable"] else base.get((r["mode"], r["sync"], links))
         r["vs_unthrottled"] = round(r["tokens"] / b["tokens"], 4) if b and b["tokens"] else None
         # Against the unthrottled cluster itself (patches, overlapped): the contrast for full weights.
-        p = base.get(("chain", "overlap", links))
+        p = None if r["unmeasurable"] else base.get(("chain", "overlap", links))
         r["vs_unthrottled_patch_overlap"] = round(r["tokens"] / p["tokens"], 4) if p and p["tokens"] else None
     def best(links: str) -> float | None:
         xs = [r["vs_unthrottled"] for r in rows
@@ -643,7 +662,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     if not rows:
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
-    labels = [r["name"] for r in rows]
+    labels = [r["name"] + (" (unmeasurable)" if r.get("unmeasurable") else "") for r in rows]
     y = list(range(len(rows)))
     colors = [
         "tab:red" if r["mode"] == "full" else "tab:blue" if r["sync"] == "overlap" else "tab:gray"
