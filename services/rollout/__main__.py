@@ -26,11 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     settings = RolloutSettings()
     require_token_off_loopback("rollout", settings.host, settings.api_token)
     # Its relay endpoint (shared.relay) serves peers over kept-alive connections, on sockets with
-    # buffers wider than autotuning's where the kernel allows (a window for 1 Gbit/s at 100 ms).
+    # buffers wider than autotuning's where the kernel allows (a window for 1 Gbit/s at 100 ms) and
+    # the peers' congestion control.
     config = uvicorn.Config(create_app(settings), log_level="info", timeout_graceful_shutdown=30,
                             timeout_keep_alive=KEEP_ALIVE_S)
     freeze_startup_heap()  # a full GC pass would stall the streams this worker relays (shared.gcheap)
-    uvicorn.Server(config).run(sockets=[peer_listener(settings.host, settings.port)])
+    uvicorn.Server(config).run(sockets=[peer_listener(settings.host, settings.port,
+                                                          congestion=settings.sync.peer_congestion)])
     return 0
 
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from shared.coord import CoordSettings
 from shared.dtypes import ModelDtype
 from shared.kv import KVSettings
-from shared.relay import WARM_UP_BYTES
+from shared.relay import PEER_CONGESTION, WARM_UP_BYTES
 from shared.sampling import FLAT_SAMPLING_NAMES, SamplingSettings
 from shared.settings import ModelServiceSettings
 
@@ -48,6 +48,10 @@ class SyncSettings(BaseModel):
     # whose windows are open (shared.relay.Relay.warm_up). 0: off.
     warm_up_mb: int = Field(default=WARM_UP_BYTES >> 20, ge=0, le=4096,
                             description="relay: MiB of the newest snapshot read at start")
+    # The TCP congestion control of the worker's listener, so of every hop it serves (shared.relay,
+    # PEER_CONGESTION: why cubic rather than an app-limited BBR); "": the host's default.
+    peer_congestion: str = Field(default=PEER_CONGESTION, pattern=r"^[a-z0-9_]{0,15}$",
+                                 description="relay: TCP congestion control of served peers ('': the host's)")
 
 
 class RolloutSettings(ModelServiceSettings):

@@ -15,6 +15,7 @@ from services.rollout.core import RolloutCore, WeightState
 from services.rollout.engine.config import KVConfig
 from services.rollout.settings import FLAT_KV_NAMES, RolloutSettings, SyncSettings
 from shared.kv import DEFAULT_KV_BUDGET, DEFAULT_KV_BUFFER, KVSettings
+from shared.relay import PEER_CONGESTION
 from shared.settings_help import settings_help, settings_rows
 
 pytestmark = pytest.mark.usefixtures("clean_settings_env")
@@ -136,3 +137,15 @@ def test_the_sync_section_and_its_flat_names(monkeypatch: pytest.MonkeyPatch) ->
         RolloutSettings(relay=True)  # type: ignore[call-arg]
     rows = {variable for variable, _, _, _ in settings_rows(RolloutSettings)}
     assert {"SPARSECAST_SYNC__STREAMS", "SPARSECAST_SYNC__RELAY"} <= rows and "SPARSECAST_RELAY" not in rows
+
+
+def test_the_peer_listeners_congestion_control(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert RolloutSettings().sync.peer_congestion == PEER_CONGESTION == "cubic"
+    monkeypatch.setenv("SPARSECAST_SYNC__PEER_CONGESTION", "")  # the host's default
+    assert RolloutSettings().sync.peer_congestion == ""
+    monkeypatch.setenv("SPARSECAST_SYNC__PEER_CONGESTION", "bbr")
+    assert RolloutSettings().sync.peer_congestion == "bbr"
+    for bad in ("cubic; reboot", "x" * 16, "BBR"):
+        monkeypatch.setenv("SPARSECAST_SYNC__PEER_CONGESTION", bad)
+        with pytest.raises(ValidationError, match="peer_congestion"):
+            RolloutSettings()
