@@ -670,7 +670,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ]
     ax1.barh([i - 0.2 for i in y], [r["vs_unthrottled"] or 0 for r in rows], height=0.4, color=colors,
              label="÷ unthrottled run of the same arm (this box)")
-    ax1.barh([i + 0.2 for i in y], [r["vs_ideal"] for r in rows], height=0.4, color=colors, alpha=0.45,
+    ax1.barh([i + 0.2 for i in y], [0 if r.get("unmeasurable") else r["vs_ideal"] for r in rows], height=0.4,
+             color=colors, alpha=0.45,
              label="÷ the profile's tokens/s (no sync cost at all)")
     ax1.set_yticks(y, labels)
     for x in (0.9, 0.95):
