@@ -22,7 +22,7 @@ merged (the registry's plan: a merged lag-2 patch where a worker is two behind);
 (download while generating, swap at a batch boundary) or stop (stop generating, download, apply).
 Links: unthrottled, 1 Gbit/s and 100 Mbit/s per worker, and a mix (a fast rkv worker and a dense
 one on 1 Gbit/s, an rkv worker on 100 Mbit/s). A worker may generate with weights at most
-`staleness_bound` versions behind the newest it knows (CoordSettings' default, 1); beyond that it
+`--staleness-bound` versions behind the newest it knows (CoordSettings' default, 1); beyond that it
 waits. Reported per run: tokens/s and its ratio to the unthrottled run of the same arm (and to the
 profile's ideal), staleness per batch and per version, sync times, registry egress bytes (the
 uplink's counter and the registry's own). A run in which no sync ended inside its window (full
@@ -60,6 +60,7 @@ from bench.netns import Link, Net, every_pair_rtt
 from bench.wan_relay import MODES as RELAY_MODES
 from bench.wan_relay import worker_links
 from bench.wan_stack import GBIT, MBIT, REDIS_PORT, REGISTRY_PORT, ROOT, RUN, TOKEN, Stack, barrier
+from shared.coord import CoordSettings
 
 PROFILE_FILE = "bench/results/engine-cuda-1.7b-gen8192-h100.json"
 APPLY_FILE = "bench/results/patch-cuda-1.7b-h100.json"
@@ -418,7 +419,7 @@ def run_one(net: Net, stack: Stack, chain: Path, scratch: Path, name: str, mode:
             "profile": names[i],
             "mode": mode,
             "sync": sync,
-            "staleness_bound": 1,
+            "staleness_bound": args.staleness_bound,
             "apply_s": args.apply_s,
             "out": str(out),
         }
@@ -502,10 +503,13 @@ def main() -> None:
     parser.add_argument("--no-idle-restart", action="store_true",
                         help="tcp_slow_start_after_idle=0 in those namespaces: kept connections keep their "
                              "congestion window between versions")
+    parser.add_argument("--staleness-bound", type=int, default=CoordSettings().staleness_bound,
+                        help="versions a worker may generate behind the newest it knows (the system's "
+                             "COORD__STALENESS_BOUND; default its default)")
     parser.add_argument("--keep-raw", action="store_true", help="keep every batch and sync in the JSON")
     parser.add_argument("--resume", action="store_true", help="keep the runs already in --out, run the rest")
     parser.add_argument("--out", type=Path,
-                        help="default bench/results/wan-cpu[-rtt<R>ms][-tcp<N>mb][-noidle].json")
+                        help="default bench/results/wan-cpu[-rtt<R>ms][-tcp<N>mb][-noidle][-stale<B>].json")
     args = parser.parse_args()
     try:  # before any namespace is made
         worker_links(GBIT, args.slow_workers, args.slow_mbit * MBIT)
@@ -514,6 +518,8 @@ def main() -> None:
     rtt_tag = f"-rtt{args.rtt_ms:g}ms" if args.rtt_ms else ""
     rtt_tag += (f"-tcp{args.tcp_buffer_mb}mb" if args.tcp_buffer_mb else "") + (
         "-noidle" if args.no_idle_restart else "")
+    if args.staleness_bound != CoordSettings().staleness_bound:
+        rtt_tag += f"-stale{args.staleness_bound}"
     args.out = args.out or ROOT / f"bench/results/wan-cpu{rtt_tag}.json"
     for role in ("worker", "publisher", "relay_worker"):
         if (raw := getattr(args, role)) is not None:
@@ -556,6 +562,7 @@ def main() -> None:
         "profiles": {k: {**asdict(p), "tokens_per_s": round(p.tokens_per_s, 1)} for k, p in profiles.items()},
         "apply_s": round(args.apply_s, 4), "apply_source": f"{APPLY_FILE} ({apply_device()}), timed",
         "chain": json.loads((chain / "chain.json").read_text()), "gen": args.gen, "versions": args.versions,
+        "staleness_bound": args.staleness_bound,
         "rtt_ms": args.rtt_ms, "rtt": "between every pair of endpoints, half on each link (bench/netns.py)",
         "runs": rows, "complete": False,
     }

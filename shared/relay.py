@@ -480,7 +480,7 @@ def apply_socket_buffers(sock: socket.socket, want: int) -> dict[int, int]:
 # head in one request"). Cubic's window is not paced and kept across idle versions
 # (tcp_slow_start_after_idle=0). Set on the peer listener, whose accepted sockets (the sending
 # side of every hop) inherit it; "": the host's default. Where the kernel refuses it, the
-# default stays (logged once).
+# default stays, with a warning.
 PEER_CONGESTION = "cubic"
 
 
