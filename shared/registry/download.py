@@ -155,9 +155,10 @@ class PathTiming:
     relayed stream starts by draining what its source already holds, at whatever its own link
     allows, and only then flows at the rate the source receives and can send: the first half's
     rate says when the stream started, not what the path carries. Of all the source's bytes, not
-    per request: the registry sends the head one piece per request, one after another, and each
-    request's second half over the span from the first to the last read half the rate (measured:
-    the registry → head path at 103-200 Mbit/s where every hop after it read 300-500)."""
+    per request: a source may answer in several requests (the registry sent the head one piece per
+    request until it took each object in one), and each request's second half over the span from
+    the first to the last read half the rate (measured then: the registry → head path at 103-200
+    Mbit/s where every hop after it read 300-500)."""
 
     rtt_s: float | None = None
     bytes: int = 0
