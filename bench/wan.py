@@ -503,7 +503,8 @@ def main() -> None:
     parser.add_argument("--no-idle-restart", action="store_true",
                         help="tcp_slow_start_after_idle=0 in those namespaces: kept connections keep their "
                              "congestion window between versions")
-    parser.add_argument("--staleness-bound", type=int, default=CoordSettings().staleness_bound,
+    default_bound = CoordSettings().staleness_bound
+    parser.add_argument("--staleness-bound", type=int, default=default_bound,
                         help="versions a worker may generate behind the newest it knows (the system's "
                              "COORD__STALENESS_BOUND; default its default)")
     parser.add_argument("--keep-raw", action="store_true", help="keep every batch and sync in the JSON")
@@ -518,7 +519,7 @@ def main() -> None:
     rtt_tag = f"-rtt{args.rtt_ms:g}ms" if args.rtt_ms else ""
     rtt_tag += (f"-tcp{args.tcp_buffer_mb}mb" if args.tcp_buffer_mb else "") + (
         "-noidle" if args.no_idle_restart else "")
-    if args.staleness_bound != CoordSettings().staleness_bound:
+    if args.staleness_bound != default_bound:
         rtt_tag += f"-stale{args.staleness_bound}"
     args.out = args.out or ROOT / f"bench/results/wan-cpu{rtt_tag}.json"
     for role in ("worker", "publisher", "relay_worker"):
@@ -622,8 +623,8 @@ def unmeasurable(row: dict[str, Any], version_bytes: int) -> str | None:
     measure the staleness limit, not the transfer."""
     if row["sync_s"]["n"]:
         return None
-    rates = [x for x in row["link_bps"] if x] or [None]
-    floor = f"{version_bytes * 8 / min(rates):.1f} s" if rates[0] else "unthrottled"
+    rates = [x for x in row["link_bps"] if x]
+    floor = f"{version_bytes * 8 / min(rates):.1f} s" if rates else "unthrottled"
     return (f"no sync ended inside the {row['window_s']} s window: a version is {version_bytes} bytes "
             f"({floor} at the slowest link) against a {row['step_s']} s step")
 
@@ -631,12 +632,12 @@ def unmeasurable(row: dict[str, Any], version_bytes: int) -> str | None:
 def finish(result: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     """Ratios to the unthrottled run of the same arm, and the targets. A run with no sync inside
     its window (unmeasurable) gets no ratio, nor does a run whose baseline is one."""
+    largest_patch = max(v["patch_bytes"] for v in result["chain"]["versions"])
     for r in rows:
         if r.get("workers"):
             r["staleness_at_trainer"] = published_staleness(r, result["profiles"])
-        version_bytes = result["chain"]["dense_bytes"] if r["mode"] == "full" else max(
-            v["patch_bytes"] for v in result["chain"]["versions"])
-        r["unmeasurable"] = unmeasurable(r, version_bytes)
+        r["unmeasurable"] = unmeasurable(r, result["chain"]["dense_bytes"] if r["mode"] == "full"
+                                         else largest_patch)
     base = {(r["mode"], r["sync"], r["links"]): r for r in rows
             if r["links"].startswith("unthrottled") and not r["unmeasurable"]}
     for r in rows:
