@@ -31,11 +31,14 @@ Stages:
 3. Arms × seeds in parallel processes; a held-out evaluation every `eval_every` steps on fixed
    prompts, greedy and T = 1, under dense inference, R-KV at the training budget and at half of it.
 4. Criteria, fixed before any run (CRITERIA below), judged on held-out T = 1 accuracy averaged
-   over seeds, then JSON to bench/results/ (`plot` draws the PNG from it).
+   over seeds at the last evaluation every run reached (`judged_at_step`; when `--deadline` stopped
+   runs before it, the end-of-training claims are left unjudged), then JSON to bench/results/
+   (`plot` draws the PNG from it; `judge` recomputes a stored file's summary and criteria).
 
     python -m bench.learning --preset gpu --device cuda          # ~10 min of one H100 (docs/training.md)
     python -m bench.learning --preset smoke                      # a CPU check of the whole pipeline
     python -m bench.learning plot bench/results/learning-gpu.json
+    python -m bench.learning judge bench/results/learning-gpu.json
 """
 
 from __future__ import annotations
@@ -322,11 +325,20 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def summarise(arms: dict[str, list[list[dict[str, Any]]]]) -> dict[str, Any]:
-    """Per arm: held-out curves (mean over seeds), final figures, per-step means; then the criteria."""
+def common_last_eval(arms: dict[str, list[list[dict[str, Any]]]]) -> int:
+    """The last evaluation step that every run of every arm reached: where arms can be compared when
+    a deadline stopped some of them at different steps."""
+    return min(max(r["step"] for r in rows if r["type"] == "eval") for runs in arms.values() for rows in runs)
+
+
+def summarise(arms: dict[str, list[list[dict[str, Any]]]], at_step: int | None = None) -> dict[str, Any]:
+    """Per arm: held-out curves (mean over seeds), final figures, per-step means; then the criteria.
+    `final` is each run's evaluation at `at_step` (default: its last)."""
     summary: dict[str, Any] = {}
     for arm, runs in arms.items():
         evals = [[r for r in rows if r["type"] == "eval"] for rows in runs]
+        if at_step is not None:  # every run's evaluations up to the common step
+            evals = [[e for e in run if e["step"] <= at_step] for run in evals]
         steps = [[r for r in rows if r["type"] == "step"] for rows in runs]
         at = sorted({e["step"] for run in evals for e in run})
         curve = {
@@ -380,10 +392,25 @@ def summarise(arms: dict[str, list[list[dict[str, Any]]]]) -> dict[str, Any]:
     return summary
 
 
-def criteria(summary: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def criteria(summary: dict[str, Any], cut_at: int | None = None) -> dict[str, Any]:
+    """The claims judged on the summary. `cut_at`: the runs' last common evaluation when a deadline
+    stopped them before their last step; claims about the end of training ((a)-(d)) are then not
+    judged (`met` None), and (e), about every evaluation, only through that step."""
     if "dense" not in summary:
-        return out
+        return {}
+    out = criteria_at_end(summary)
+    if cut_at is not None:
+        for key, claim in out.items():
+            if key[0] == "e":
+                claim["through_step"] = cut_at
+            else:
+                claim["met"] = None
+                claim["not_judged"] = f"runs stopped before their last step; figures at step {cut_at}"
+    return out
+
+
+def criteria_at_end(summary: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     d = summary["dense"]
     dense_final, dense_start = d["final_mean"]["dense_t1"], d["start_mean"]["dense_t1"]
     out["a"] = {
@@ -420,6 +447,34 @@ def criteria(summary: dict[str, Any]) -> dict[str, Any]:
         out["e" + suffix] = {"claim": CRITERIA["e"], "worst_vs_start": s["worst_vs_start"],
                              "per_seed": s["worst_vs_start_per_seed"], "met": s["worst_vs_start"] >= -0.02}
     return out
+
+
+def judge(runs: dict[str, list[dict[str, Any]]], arms: list[str], seeds: list[int],
+          steps: int) -> dict[str, Any]:
+    """Summary and criteria of the runs (`ARM-SEED` -> rows) that logged an evaluation, at the last
+    evaluation all of them reached (the last step unless a deadline stopped some earlier)."""
+    logged = {arm: [runs[f"{arm}-{s}"] for s in seeds
+                    if any(r["type"] == "eval" for r in runs.get(f"{arm}-{s}", []))] for arm in arms}
+    logged = {arm: rows for arm, rows in logged.items() if rows}
+    judged_at = common_last_eval(logged) if logged else 0
+    summary = summarise(logged, at_step=judged_at)
+    return {"judged_at_step": judged_at,
+            "criteria": criteria(summary, cut_at=judged_at if judged_at < steps else None),
+            "summary": summary}
+
+
+def rejudge(path: Path) -> dict[str, Any]:
+    """A result file's summary and criteria recomputed from its logged runs, written back."""
+    result = json.loads(path.read_text())
+    judged = judge(result["runs"], result["arms"], result["seeds"], result["config"]["steps"])
+    ordered: dict[str, Any] = {}
+    for key, value in result.items():  # the file's key order, judged_at_step beside the criteria
+        if key == "criteria":
+            ordered["judged_at_step"] = judged["judged_at_step"]
+        ordered[key] = judged.get(key, value)
+    result = ordered | judged
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
@@ -507,10 +562,7 @@ def run(cfg: LearningConfig, arms: list[str], seeds: list[int], cache: Path, out
             done[key] = read_rows(path)
             del running[key]
             print(f"arm {key[0]} seed {key[1]} done at {time.perf_counter() - started:.0f}s", flush=True)
-    # Runs with at least one evaluation (all of them unless the deadline stopped some).
-    by_arm = {arm: [done[(arm, s)] for s in seeds if any(r["type"] == "eval" for r in done.get((arm, s), []))]
-              for arm in arms}
-    summary = summarise({arm: runs for arm, runs in by_arm.items() if runs})
+    judged = judge({f"{arm}-{seed}": rows for (arm, seed), rows in done.items()}, arms, seeds, cfg.steps)
     result = {
         "bench": "learning",
         "preset": preset,
@@ -529,8 +581,7 @@ def run(cfg: LearningConfig, arms: list[str], seeds: list[int], cache: Path, out
         },
         "kv_budget": budget,
         "calibration": calibration,
-        "criteria": criteria(summary),
-        "summary": summary,
+        **judged,
         "runs": {f"{arm}-{seed}": done[(arm, seed)] for arm, seed in jobs if (arm, seed) in done},
         "wall_seconds": time.perf_counter() - started,
     }
@@ -612,6 +663,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if argv[:1] == ["plot"]:
         print(plot(Path(argv[1])))
+        return
+    if argv[:1] == ["judge"]:  # a stored result's summary and criteria recomputed by this code
+        print(json.dumps(rejudge(Path(argv[1]))["criteria"], indent=1))
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="gpu")

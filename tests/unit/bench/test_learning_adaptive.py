@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.learning import ARMS, PRESETS, LearningConfig, configure, run_arm, summarise
+from bench.learning import ARMS, PRESETS, LearningConfig, configure, judge, rejudge, run_arm, summarise
 from services.trainer.kv_budget import KVControlSettings
 from services.trainer.warmstart import WarmstartRecipe
 
@@ -67,6 +67,43 @@ def test_a_run_stopped_at_the_deadline_is_summarised_from_what_it_logged() -> No
     assert summary["sparse_rl"]["eval_steps"] == [0, 20, 40]
     assert summary["sparse_rl"]["curve"]["dense_t1"] == pytest.approx([0.4, 0.4, 0.6])  # step 40: one run
     assert summary["sparse_rl"]["worst_vs_start_per_seed"] == pytest.approx([0.0, -0.1])
+
+
+def _evals(*accs: float) -> list[dict]:
+    """Evaluation rows every 20 steps, dense and sparse T = 1 accuracy alike."""
+    return [{"type": "eval", "step": 20 * i, "modes": {m: {"accuracy": a} for m in ("dense_t1", "sparse_t1")}}
+            for i, a in enumerate(accs)]
+
+
+def test_arms_stopped_at_different_steps_are_compared_at_the_last_common_evaluation() -> None:
+    # dense reached step 60, the corrected arm only 40 (a deadline): (c) compares both at 40.
+    runs = {"dense-1": _evals(0.5, 0.6, 0.7, 0.9), "sparse_rl-1": _evals(0.5, 0.55, 0.68)}
+    judged = judge(runs, ["dense", "sparse_rl"], [1], steps=60)
+    assert judged["judged_at_step"] == 40
+    assert judged["summary"]["dense"]["final_mean"]["dense_t1"] == pytest.approx(0.7)
+    assert judged["criteria"]["c"]["gap_to_dense"] == pytest.approx(0.02)
+    # ... but the claims about the end of training are not judged on a run stopped before it
+    assert judged["criteria"]["c"]["met"] is None and "not_judged" in judged["criteria"]["c"]
+    assert judged["criteria"]["a"]["met"] is None and judged["criteria"]["d"]["met"] is None
+    # (e), about every evaluation, is judged through the common step
+    assert judged["criteria"]["e"]["met"] is True and judged["criteria"]["e"]["through_step"] == 40
+
+
+def test_complete_runs_are_judged_at_their_last_step(tmp_path: Path) -> None:
+    runs = {"dense-1": _evals(0.5, 0.6, 0.9), "sparse_rl-1": _evals(0.5, 0.55, 0.8)}
+    judged = judge(runs, ["dense", "sparse_rl"], [1], steps=40)
+    assert judged["judged_at_step"] == 40
+    assert judged["criteria"]["a"]["met"] is True  # +40 points
+    assert judged["criteria"]["c"]["met"] is False  # 10 points below dense
+    assert "not_judged" not in judged["criteria"]["c"] and "through_step" not in judged["criteria"]["e"]
+    # a stored result re-judged from its logged runs
+    path = tmp_path / "learning.json"
+    path.write_text(json.dumps({"arms": ["dense", "sparse_rl"], "seeds": [1], "config": {"steps": 60},
+                                "criteria": {"c": {"met": True}}, "runs": runs}))
+    rejudge(path)
+    stored = json.loads(path.read_text())
+    assert stored["judged_at_step"] == 40 and stored["criteria"]["c"]["met"] is None
+    assert stored["runs"] == runs
 
 
 def test_a_dotted_override_sets_a_field_of_the_warm_start_recipe() -> None:
