@@ -332,8 +332,8 @@ def common_last_eval(arms: dict[str, list[list[dict[str, Any]]]]) -> int:
 
 
 def summarise(arms: dict[str, list[list[dict[str, Any]]]], at_step: int | None = None) -> dict[str, Any]:
-    """Per arm: held-out curves (mean over seeds), final figures, per-step means; then the criteria.
-    `final` is each run's evaluation at `at_step` (default: its last)."""
+    """Per arm: held-out curves (mean over seeds), final figures and per-step means, from each run's
+    evaluations up to `at_step` (default: all of them; `final` is the last of them)."""
     summary: dict[str, Any] = {}
     for arm, runs in arms.items():
         evals = [[r for r in rows if r["type"] == "eval"] for rows in runs]
@@ -410,6 +410,7 @@ def criteria(summary: dict[str, Any], cut_at: int | None = None) -> dict[str, An
 
 
 def criteria_at_end(summary: dict[str, Any]) -> dict[str, Any]:
+    """(a)-(e) judged on the summary's final figures, as if the runs had ended there."""
     out: dict[str, Any] = {}
     d = summary["dense"]
     dense_final, dense_start = d["final_mean"]["dense_t1"], d["start_mean"]["dense_t1"]
