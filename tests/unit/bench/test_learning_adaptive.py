@@ -56,23 +56,18 @@ def test_the_adaptive_veto_negative_arm_runs_the_default_rule_under_the_controll
     assert [r["rollout_kv_budget"] for r in steps] == [8, 16, 20]
 
 
-def test_a_run_stopped_at_the_deadline_is_summarised_from_what_it_logged() -> None:
-    def evals(*accs: float) -> list[dict]:
-        modes = ("dense_t1", "sparse_t1")
-        return [{"type": "eval", "step": 20 * i, "modes": {m: {"accuracy": a} for m in modes}}
-                for i, a in enumerate(accs)]
-
-    full, cut = evals(0.4, 0.5, 0.6), evals(0.4, 0.3)
-    summary = summarise({"dense": [full, full], "sparse_rl": [full, cut]})
-    assert summary["sparse_rl"]["eval_steps"] == [0, 20, 40]
-    assert summary["sparse_rl"]["curve"]["dense_t1"] == pytest.approx([0.4, 0.4, 0.6])  # step 40: one run
-    assert summary["sparse_rl"]["worst_vs_start_per_seed"] == pytest.approx([0.0, -0.1])
-
-
 def _evals(*accs: float) -> list[dict]:
     """Evaluation rows every 20 steps, dense and sparse T = 1 accuracy alike."""
     return [{"type": "eval", "step": 20 * i, "modes": {m: {"accuracy": a} for m in ("dense_t1", "sparse_t1")}}
             for i, a in enumerate(accs)]
+
+
+def test_a_run_stopped_at_the_deadline_is_summarised_from_what_it_logged() -> None:
+    full, cut = _evals(0.4, 0.5, 0.6), _evals(0.4, 0.3)
+    summary = summarise({"dense": [full, full], "sparse_rl": [full, cut]})
+    assert summary["sparse_rl"]["eval_steps"] == [0, 20, 40]
+    assert summary["sparse_rl"]["curve"]["dense_t1"] == pytest.approx([0.4, 0.4, 0.6])  # step 40: one run
+    assert summary["sparse_rl"]["worst_vs_start_per_seed"] == pytest.approx([0.0, -0.1])
 
 
 def test_arms_stopped_at_different_steps_are_compared_at_the_last_common_evaluation() -> None:
