@@ -563,7 +563,8 @@ def run(cfg: LearningConfig, arms: list[str], seeds: list[int], cache: Path, out
             done[key] = read_rows(path)
             del running[key]
             print(f"arm {key[0]} seed {key[1]} done at {time.perf_counter() - started:.0f}s", flush=True)
-    judged = judge({f"{arm}-{seed}": rows for (arm, seed), rows in done.items()}, arms, seeds, cfg.steps)
+    runs = {f"{arm}-{seed}": done[(arm, seed)] for arm, seed in jobs if (arm, seed) in done}
+    judged = judge(runs, arms, seeds, cfg.steps)
     result = {
         "bench": "learning",
         "preset": preset,
@@ -583,7 +584,7 @@ def run(cfg: LearningConfig, arms: list[str], seeds: list[int], cache: Path, out
         "kv_budget": budget,
         "calibration": calibration,
         **judged,
-        "runs": {f"{arm}-{seed}": done[(arm, seed)] for arm, seed in jobs if (arm, seed) in done},
+        "runs": runs,
         "wall_seconds": time.perf_counter() - started,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
