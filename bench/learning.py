@@ -51,7 +51,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from pydantic import BaseModel, Field
@@ -637,16 +637,42 @@ def plot(path: Path) -> Path:
     return png
 
 
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model a field holds (`X` or `X | None`), or None for a free-form value."""
+    for candidate in (annotation, *get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
 def configure(fields: dict[str, Any], overrides: list[str]) -> LearningConfig:
-    """The preset's fields with each `KEY=JSON` override applied; a dotted key sets a nested field
-    (`recipe.evict_share=0.5`: the warm-start recipe's), and the result is validated once."""
+    """The preset's fields with each `KEY=VALUE` override applied; a dotted key sets a nested field
+    (`recipe.evict_share=0.5`: the warm-start recipe's), and the result is validated once. VALUE is
+    JSON, or else taken as a bare string (`kv_control.metric=kl_old_sampler`). A malformed override,
+    a dotted key through a field that holds no fields, or a value that does not validate raises
+    ValueError naming it."""
     for item in overrides:
-        key, _, value = item.partition("=")
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
         *parents, leaf = key.split(".")
-        target = fields
-        for parent in parents:
-            target = target[parent]
-        target[leaf] = json.loads(value)
+        target, model = fields, LearningConfig
+        for depth, name in enumerate([*parents, leaf]):
+            # pydantic ignores an unknown field, so a misspelt key would be dropped without a word
+            if model is not None and name not in model.model_fields:
+                where = ".".join(parents[:depth]) or "the config"
+                raise ValueError(f"--set {key}: {where} has no field {name!r} "
+                                 f"(fields: {', '.join(model.model_fields)})")
+            if depth == len(parents):
+                break
+            model = _model_of(model.model_fields[name].annotation) if model is not None else None
+            target = target.get(name)
+            if not isinstance(target, dict):
+                raise ValueError(f"--set {key}: {'.'.join(parents[:depth + 1])} holds no fields")
+        try:
+            target[leaf] = json.loads(value)
+        except json.JSONDecodeError:
+            target[leaf] = value  # a bare word; the model's validation decides whether it fits
     return LearningConfig.model_validate(fields)
 
 
@@ -675,9 +701,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--arms", default="dense,naive,sparse_rl")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--parallel", type=int, default=0, help="arm processes at once (0 = all)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
-                   help="override a config field, e.g. --set lr=3e-4 --set steps=100 "
-                   "--set recipe.evict_share=0.5")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field (VALUE: JSON, or a bare string), e.g. --set lr=3e-4 "
+                   "--set steps=100 --set recipe.evict_share=0.5 --set kv_control.metric=kl_old_sampler")
     p.add_argument("--cache", type=Path, default=Path(".cache/warmstart"))
     p.add_argument("--out", type=Path)
     p.add_argument("--deadline", type=float,
@@ -686,7 +712,10 @@ def main(argv: list[str] | None = None) -> None:
     fields = PRESETS[a.preset].model_dump()
     if a.device:
         fields["device"] = a.device
-    cfg = configure(fields, a.set)
+    try:
+        cfg = configure(fields, a.set)
+    except ValueError as e:  # pydantic's ValidationError is one: a field's value that does not fit
+        p.error(str(e))
     arms = a.arms.split(",")
     seeds = [int(s) for s in a.seeds.split(",")]
     out = a.out or RESULTS / f"learning-{a.preset}.json"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.learning import ARMS, PRESETS, LearningConfig, configure, judge, rejudge, run_arm, summarise
+from bench.learning import ARMS, PRESETS, LearningConfig, configure, judge, main, rejudge, run_arm, summarise
 from services.trainer.kv_budget import KVControlSettings
 from services.trainer.warmstart import WarmstartRecipe
 
@@ -110,6 +110,27 @@ def test_a_dotted_override_sets_a_field_of_the_warm_start_recipe() -> None:
     assert cfg.recipe.fingerprint() != PRESETS["gpu"].recipe.fingerprint()  # another warm start
     with pytest.raises(ValueError):  # validated like any other field
         configure(PRESETS["gpu"].model_dump(), ["recipe.evict_share=2"])
+
+
+def test_an_override_takes_a_bare_word_and_names_a_misspelt_key() -> None:
+    cfg = configure(PRESETS["gpu"].model_dump(), ["kv_control.metric=kl_old_sampler"])
+    assert cfg.kv_control.metric == "kl_old_sampler"  # JSON would need '"kl_old_sampler"'
+    with pytest.raises(ValueError, match="kv_control has no field 'targt'"):
+        configure(PRESETS["gpu"].model_dump(), ["kv_control.targt=0.1"])  # pydantic would drop it
+    with pytest.raises(ValueError, match="the config has no field 'lrr'"):
+        configure(PRESETS["gpu"].model_dump(), ["lrr=1e-4"])
+    with pytest.raises(ValueError, match="expected KEY=VALUE"):
+        configure(PRESETS["gpu"].model_dump(), ["lr"])
+    with pytest.raises(ValueError, match="lr holds no fields"):
+        configure(PRESETS["gpu"].model_dump(), ["lr.x=1"])
+    with pytest.raises(ValueError, match="metric"):  # a bare word the field does not take
+        configure(PRESETS["gpu"].model_dump(), ["kv_control.metric=veto"])
+
+
+def test_a_bad_override_is_a_usage_error_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--preset", "smoke", "--set", "kv_control.targt=0.1"])
+    assert exit_.value.code == 2 and "no field 'targt'" in capsys.readouterr().err
 
 
 def test_the_gpu_presets_controller_is_the_one_measured_at_parity() -> None:
