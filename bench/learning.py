@@ -333,13 +333,16 @@ def common_last_eval(arms: dict[str, list[list[dict[str, Any]]]]) -> int:
 
 def summarise(arms: dict[str, list[list[dict[str, Any]]]], at_step: int | None = None) -> dict[str, Any]:
     """Per arm: held-out curves (mean over seeds), final figures and per-step means, from each run's
-    evaluations up to `at_step` (default: all of them; `final` is the last of them)."""
+    evaluations and steps up to `at_step` (default: all of them; `final` is the last evaluation, the
+    thirds of the per-step means are each run's own)."""
     summary: dict[str, Any] = {}
     for arm, runs in arms.items():
         evals = [[r for r in rows if r["type"] == "eval"] for rows in runs]
         if at_step is not None:  # every run's evaluations up to the common step
             evals = [[e for e in run if e["step"] <= at_step] for run in evals]
         steps = [[r for r in rows if r["type"] == "step"] for rows in runs]
+        if at_step is not None:  # a run that went on past the common step is read to it, as its evals
+            steps = [[r for r in run if r["step"] <= at_step] for run in steps]
         at = sorted({e["step"] for run in evals for e in run})
         curve = {
             mode: [
@@ -355,11 +358,11 @@ def summarise(arms: dict[str, list[list[dict[str, Any]]]], at_step: int | None =
             for mode in evals[0][0]["modes"]
         }
         final = {mode: [run[-1]["modes"][mode]["accuracy"] for run in evals] for mode in evals[0][0]["modes"]}
-        third = max(1, len(steps[0]) // 3)
+        thirds = [max(1, len(run) // 3) for run in steps]
         per_step = {
             key: {
-                "first_third": _mean([r[key] for run in steps for r in run[:third]]),
-                "last_third": _mean([r[key] for run in steps for r in run[-third:]]),
+                "first_third": _mean([r[key] for run, n in zip(steps, thirds, strict=True) for r in run[:n]]),
+                "last_third": _mean([r[key] for run, n in zip(steps, thirds, strict=True) for r in run[-n:]]),
             }
             for key in (
                 "reward_mean",

@@ -84,6 +84,23 @@ def test_arms_stopped_at_different_steps_are_compared_at_the_last_common_evaluat
     assert judged["criteria"]["e"]["met"] is True and judged["criteria"]["e"]["through_step"] == 40
 
 
+def test_per_step_means_stop_at_the_common_step_with_each_runs_own_thirds() -> None:
+    def run(rejections: list[float]) -> list[dict]:
+        others = ("reward_mean", "accuracy", "completion_tokens_mean", "entropy", "token_mask_rate",
+                  "kl_old_sampler", "clip_fraction", "kv_saved", "xi_p01", "xi_p99")
+        steps = [{"type": "step", "step": i + 1, "seconds": 1.0, "rejection_rate": x}
+                 | dict.fromkeys(others, 0.0) for i, x in enumerate(rejections)]
+        return _evals(0.5) + steps
+    # one run stopped at step 3, the other went on to 6 with a late rise that the common step excludes
+    summary = summarise({"sparse_rl": [run([0.1, 0.2, 0.3]), run([0.1, 0.2, 0.3, 0.9, 0.9, 0.9])]}, at_step=3)
+    assert summary["sparse_rl"]["per_step"]["rejection_rate"] == pytest.approx(
+        {"first_third": 0.1, "last_third": 0.3})
+    # without a common step each run's thirds are its own: 0.1 and 0.1+0.2 first, 0.3 and 0.9+0.9 last
+    whole = summarise({"sparse_rl": [run([0.1, 0.2, 0.3]), run([0.1, 0.2, 0.3, 0.9, 0.9, 0.9])]})
+    assert whole["sparse_rl"]["per_step"]["rejection_rate"] == pytest.approx(
+        {"first_third": (0.1 + 0.1 + 0.2) / 3, "last_third": (0.3 + 0.9 + 0.9) / 3})
+
+
 def test_complete_runs_are_judged_at_their_last_step(tmp_path: Path) -> None:
     runs = {"dense-1": _evals(0.5, 0.6, 0.9), "sparse_rl-1": _evals(0.5, 0.55, 0.8)}
     judged = judge(runs, ["dense", "sparse_rl"], [1], steps=40)
