@@ -32,8 +32,9 @@ TOKEN = "e2e-token"
 # measured on the shared 2-core machine (docs/training.md, "RL on the real stack"). Over 12 steps
 # the batches' mean reward moves by −0.00..+0.02 on this warm start, with the timing of weight
 # syncs: too little to assert a rise. Every step's batch_gain (the advantage-weighted change of the
-# batch's own log-probs) was positive (2e-3..8e-3) in every run; it is what shows learning here,
-# and the reward only guards against collapse (lr ≥ 1e-4 lost 0.04-0.08).
+# batch's own log-probs) was positive (2e-3..8e-3) in every run there, and on an AVX2-only CPU all
+# but one small-gradient step (below); it is what shows learning here, and the reward only guards
+# against collapse (lr ≥ 1e-4 lost 0.04-0.08).
 STEPS = 12
 GROUPS_PER_STEP = 4
 SAMPLES = 16
@@ -159,11 +160,17 @@ def test_training_end_to_end(tmp_path: Path, partial_model_dir: Path, redis_url:
     assert all(0 < h["changed_fraction"] < 0.5 and h["payload_ratio"] > 2 for h in history)
     assert all(0 <= h["rejection_rate"] <= 1 and 0 <= h["token_mask_rate"] <= 1 for h in history)
 
-    # Every update moved the policy toward the better samples of its groups (a wrong loss sign, a
+    # The updates moved the policy toward the better samples of their groups (a wrong loss sign, a
     # dead optimizer or weights that never change all fail this), and reward did not collapse:
-    # last third vs first third of the steps, which see the same prompts.
+    # last third vs first third of the steps, which see the same prompts. Not every single step:
+    # Adam moves along its momentum (β1 0.9), so a step whose own gradient is small moves mostly in
+    # the earlier batches' direction, and its gain on its own batch can be ~0 either side (an
+    # AVX2-only CPU, which trains in fp32: step 4's grad norm 0.036 against 0.1-1.0, gain -2.7e-5
+    # against a mean of +1.5e-3). A wrong sign makes most gains negative; frozen weights, all zero.
     gains = [h["batch_gain"] for h in history]
-    assert all(g > 0 for g in gains), f"batch_gain per step: {gains}"
+    mean_gain = sum(gains) / len(gains)
+    assert (mean_gain > 0 and sum(g > 0 for g in gains) >= 3 * STEPS // 4
+            and min(gains) > -0.1 * mean_gain), f"batch_gain per step: {gains}"
     third = STEPS // 3
     first = sum(h["reward_mean"] for h in history[:third]) / third
     last = sum(h["reward_mean"] for h in history[-third:]) / third
