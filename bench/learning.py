@@ -337,12 +337,10 @@ def summarise(arms: dict[str, list[list[dict[str, Any]]]], at_step: int | None =
     thirds of the per-step means are each run's own)."""
     summary: dict[str, Any] = {}
     for arm, runs in arms.items():
+        if at_step is not None:  # a run that went on past the common step is read to it
+            runs = [[r for r in rows if r.get("step", 0) <= at_step] for rows in runs]
         evals = [[r for r in rows if r["type"] == "eval"] for rows in runs]
-        if at_step is not None:  # every run's evaluations up to the common step
-            evals = [[e for e in run if e["step"] <= at_step] for run in evals]
         steps = [[r for r in rows if r["type"] == "step"] for rows in runs]
-        if at_step is not None:  # a run that went on past the common step is read to it, as its evals
-            steps = [[r for r in run if r["step"] <= at_step] for run in steps]
         at = sorted({e["step"] for run in evals for e in run})
         curve = {
             mode: [
