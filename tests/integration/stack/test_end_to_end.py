@@ -5,6 +5,7 @@ the trainer's at each version."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 
@@ -168,9 +169,14 @@ def test_training_end_to_end(tmp_path: Path, partial_model_dir: Path, redis_url:
     # AVX2-only CPU, which trains in fp32: step 4's grad norm 0.036 against 0.1-1.0, gain -2.7e-5
     # against a mean of +1.5e-3). A wrong sign makes most gains negative; frozen weights, all zero.
     gains = [h["batch_gain"] for h in history]
+    norms = [h["grad_norm"] for h in history]
     mean_gain = sum(gains) / len(gains)
     assert (mean_gain > 0 and sum(g > 0 for g in gains) >= 3 * STEPS // 4
             and min(gains) > -0.1 * mean_gain), f"batch_gain per step: {gains}"
+    # ... and every step whose own gradient is not small beside the run's did, as before
+    typical = statistics.median(norms)
+    assert all(g > 0 for g, n in zip(gains, norms, strict=True) if n >= 0.25 * typical), (
+        f"batch_gain per step: {gains}; grad norm: {norms}")
     third = STEPS // 3
     first = sum(h["reward_mean"] for h in history[:third]) / third
     last = sum(h["reward_mean"] for h in history[-third:]) / third
