@@ -97,6 +97,10 @@ ARMS: dict[str, tuple[str, LossConfig]] = {  # name -> (rollout KV policy, loss 
     "truncate_negative": ("rkv",
                           LossConfig(corrections=CorrectionConfig(divergence_rule="truncate_negative"))),
     "sparse_rl_unscaled": ("rkv", LossConfig(corrections=AUTHORS, scale_lr_by_survivors=False)),
+    # The default rule with a full step while half the sequences or more survive (issue 26, item 1's
+    # options): the lr scaled by the share only below that.
+    "veto_negative_full50": ("rkv", LossConfig(corrections=CorrectionConfig(divergence_rule="veto_negative"),
+                                               full_step_share=0.5)),
     # The trainer recomputes log-probs under the sampler's replayed eviction (LossConfig.recompute).
     "replayed": ("rkv", LossConfig(corrections=AUTHORS, recompute="replayed")),
 }

@@ -235,7 +235,8 @@ class Learner:
             normalizer, survivors, sequences = self._sum(counts).to(self.device).unbind()
             if float(survivors) < s.loss.min_surviving_sequences:
                 continue  # no evidence: weights and optimizer state stay exactly as they are
-            lr_scale = float(survivors / sequences) if s.loss.scale_lr_by_survivors else 1.0
+            share = float(survivors / sequences)
+            lr_scale = min(1.0, share / s.loss.full_step_share) if s.loss.scale_lr_by_survivors else 1.0
             self.optimizer.zero_grad(set_to_none=True)
             for rows in micro:
                 if not rows.numel():

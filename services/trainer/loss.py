@@ -65,9 +65,11 @@ class LossConfig(BaseModel):
     # No update without evidence (docs/training.md, "No update without evidence"). AdamW moves the
     # weights by ~lr whatever the loss's scale, and along its momentum (plus weight decay) even with
     # a zero gradient: so a minibatch with fewer surviving sequences than this takes no optimizer
-    # step at all, and one with survivors takes a step of lr × their share of its sequences.
+    # step at all, and one with survivors takes a step of lr × their share of its sequences, or the
+    # full lr once that share reaches `full_step_share` (lr × share / full_step_share below it).
     min_surviving_sequences: int = Field(1, ge=1, description="survivors a minibatch needs for a step")
     scale_lr_by_survivors: bool = True
+    full_step_share: float = Field(1.0, gt=0, le=1, description="surviving share from which the step is full")
     # How the trainer computes the old and new policies' log-probs (docs/training.md, "Eviction
     # replay"): "dense" with a full cache (Sparse-RL: ξ corrects the sampler's compression);
     # "replayed" under the attention the sampler's compressed cache gave each token, replayed by

@@ -123,3 +123,13 @@ def test_a_minimum_of_surviving_sequences(tiny_model_dir: str, tmp_path: Path) -
     assert all(torch.equal(t, before[k]) for k, t in learner.model.state_dict().items())
     metrics = learner.train_step(_with_sampler_logprobs(learner, _batch(vocab=90), {0, 5, 9}))
     assert metrics["updates"] == 1 and metrics["lr_scale"] == 3 / 20
+
+
+def test_a_full_step_from_a_surviving_share(tiny_model_dir: str, tmp_path: Path) -> None:
+    # full_step_share 0.5: from half the sequences surviving the step is full, below it lr × share / 0.5.
+    learner = _learner(tiny_model_dir, tmp_path / "half", full_step_share=0.5,
+                       corrections={"divergence_rule": "token"})
+    metrics = learner.train_step(_with_sampler_logprobs(learner, _batch(vocab=90), set(range(12))))
+    assert metrics["updates"] == 1 and metrics["lr_scale"] == 1.0  # 12 of 20 survive
+    metrics = learner.train_step(_with_sampler_logprobs(learner, _batch(vocab=90), {0, 5}))
+    assert metrics["updates"] == 1 and metrics["lr_scale"] == 2 / 20 / 0.5
