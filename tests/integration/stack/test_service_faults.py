@@ -246,14 +246,23 @@ def test_liveness_fails_when_a_loop_dies_or_sticks(tmp_path: Path, tiny_model_di
         assert any(p.startswith("worker loop stuck") for p in r.json()["problems"]), r.json()
         request.join()
         wait_for(lambda: get(f"{worker}/healthz").status_code == 200, 60, "the loop to move again")
-        app.state.liveness.task("worker").cancel()
+        task = app.state.liveness.task("worker")
+        # The loop runs on the server thread's event loop, and Task.cancel is not thread-safe: called
+        # from this thread it need not wake that loop (make test once saw no dead loop within 10 s).
+        task.get_loop().call_soon_threadsafe(task.cancel)
         # The first 503 may come while the cancelled loop still releases its leases and deregisters:
         # its heartbeat has ended by then, the loop itself not yet (seen under load).
+        last: list[object] = []
+
         def dead() -> bool:
             r = get(f"{worker}/healthz")
+            last[:] = [r.status_code, r.json()]
             return r.status_code == 503 and "worker loop was cancelled" in r.json()["problems"]
 
-        wait_for(dead, 10, "a dead loop")
+        try:
+            wait_for(dead, 10, "a dead loop")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the last /healthz: {last}") from None
         assert "worker loop was cancelled" in get(f"{worker}/readyz").json()["reasons"]  # cannot work either
 
 
