@@ -295,9 +295,16 @@ def run_arm(cfg: LearningConfig, arm: str, seed: int, model_dir: Path, budget: i
                 break
             t0 = time.perf_counter()
             pairs = task.make_prompts(cfg.groups, seed=seed * TRAIN_SEED_STRIDE + step)
-            trajectories = rollout(
-                engine, tokenizer, task, pairs, cfg, train_kv, seed * TRAIN_SEED_STRIDE + step, step
-            )
+            # Under eviction replay the sampler records what its cache hid (Sample.evicted_at), as the
+            # demo's workers do, and the learner builds its masks from that record instead of replaying
+            # each sample (the same masks, tested; a replay per step tripled a GPU arm's step time).
+            engine.record_evictions = loss.recompute == "replayed"
+            try:
+                trajectories = rollout(
+                    engine, tokenizer, task, pairs, cfg, train_kv, seed * TRAIN_SEED_STRIDE + step, step
+                )
+            finally:
+                engine.record_evictions = False
             t_gen = time.perf_counter() - t0
             metrics = learner.train_step(trajectories, version=step)
             sync_weights(learner, engine)

@@ -48,6 +48,26 @@ def test_the_adaptive_replayed_arm_steers_by_the_dense_mismatch(tiny_model_dir: 
     assert all(0.0 <= r["dense_rejection_rate"] <= 1.0 for r in steps)
 
 
+def test_the_replayed_arm_learns_from_the_samplers_record_not_a_replay(
+        tiny_model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench's sampler records its evictions, as the demo's workers do, so the learner replays
+    nothing (the record gives the same masks: tests/unit/services/trainer/test_eviction_replay.py)."""
+    from services.trainer.learner import Learner
+
+    replayed: list[int] = []
+    train_step = Learner.train_step
+
+    def counted(self: Learner, *args: object, **kwargs: object) -> dict:
+        metrics = train_step(self, *args, **kwargs)  # type: ignore[arg-type]
+        replayed.append(self.replayed_samples)
+        return metrics
+
+    monkeypatch.setattr(Learner, "train_step", counted)
+    steps = _steps_of("adaptive_replayed", tiny_model_dir, tmp_path)
+    assert len(steps) == 3 and replayed == [0, 0, 0]
+    assert all(r["kl_old_sampler"] < 0.05 for r in steps)  # under the sampler's own attention
+
+
 def test_the_adaptive_veto_negative_arm_runs_the_default_rule_under_the_controller(
         tiny_model_dir: str, tmp_path: Path) -> None:
     assert ARMS["adaptive_veto_negative"] == ARMS["veto_negative"]
