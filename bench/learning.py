@@ -297,7 +297,8 @@ def run_arm(cfg: LearningConfig, arm: str, seed: int, model_dir: Path, budget: i
             pairs = task.make_prompts(cfg.groups, seed=seed * TRAIN_SEED_STRIDE + step)
             # Under eviction replay the sampler records what its cache hid (Sample.evicted_at), as the
             # demo's workers do, and the learner builds its masks from that record instead of replaying
-            # each sample (the same masks, tested; a replay per step tripled a GPU arm's step time).
+            # each sample (the same masks, tested; replaying, six arm processes on an H100 reached
+            # step 45 in the time a dense arm took to reach 100).
             engine.record_evictions = loss.recompute == "replayed"
             try:
                 trajectories = rollout(
