@@ -35,7 +35,7 @@ def view(o: DemoOptions, status: dict[str, Any], history: list[dict[str, Any]], 
                              f"(peak {human_bytes(last.get('kv_peak_bytes_mean'))} per sequence)")
     if o.kv_adaptive:  # the budget the trainer published with its last version, and why
         grid.add_row("KV budget", f"{last.get('kv_budget') or o.kv_budget} tokens from the next swap "
-                                  f"(adaptive: veto rate smoothed {pct(last.get('kv_signal'))})")
+                                  f"(adaptive: {signal_text(last)})")
     grid.add_row("corrections", f"rejected {pct(last.get('rejection_rate'))}, masked "
                                 f"{pct(last.get('token_mask_rate'))} of tokens")
     q = status.get("queue") or {}
@@ -82,6 +82,8 @@ def summary(o: DemoOptions, f: dict[str, Any], dashboard: str, log_dir: Path) ->
                   f"{human_bytes(f['kv_sparse_bytes_mean'])} vs {human_bytes(f['kv_dense_bytes_mean'])}: "
                   f"{pct(f['kv_saved'])} saved ({o.kv_policy}, budget {kv_budget_text(o, f)} tokens"
                   f"{' + the prompt' if o.kv_keep_prompt else ', prompt included'})")
+    if held := f.get("kv_held_by_steps"):
+        table.add_row("KV budget, step by step", held_text(held, o))
     table.add_row("corrections: sequences vetoed / tokens masked",
                   f"{pct(f['rejection_rate'])} / {pct(f['token_mask_rate'])}")
     remedy = ("a larger --kv-budget keeps more, --kv-calibrate 0.7 picks one for the model "
@@ -108,6 +110,34 @@ def kv_budget_text(o: DemoOptions, f: dict[str, Any]) -> str:
     if not o.kv_adaptive or first is None or last is None:
         return str(o.kv_budget)
     return f"{first} → {last} (adaptive)"
+
+
+# The controller's metrics (services.trainer.kv_budget.Metric) in words; shares print as percentages.
+METRIC_WORDS = {"divergent_rate": "divergent share", "rejection_rate": "veto rate",
+                "kl_old_sampler": "KL(dense ‖ sampler)"}
+HELD_WORDS = {"moved": "moved", "target": "held inside the target band", "evidence": "waited for evidence",
+              "floor": "held by the floor on the KV saved", "min_budget": "held at --kv-min",
+              "max_budget": "held at --kv-max", "fixed": "fixed"}
+
+
+def signal_text(last: dict[str, Any]) -> str:
+    """The controller's smoothed signal against its target, and why the budget stayed if it did."""
+    metric = last.get("kv_metric")
+    value, target = last.get("kv_signal"), last.get("kv_target")
+    fmt = num if metric == "kl_old_sampler" else pct
+    text = f"{METRIC_WORDS.get(metric or '', 'mismatch')} {fmt(value)}"
+    if target is not None:
+        text += f", target {fmt(target)}"
+    held = last.get("kv_held_by")
+    return text + (f"; {HELD_WORDS.get(held, held)}" if held else "")
+
+
+def held_text(held: dict[str, int], o: DemoOptions) -> str:
+    """How many steps the controller moved its budget or held it, and by what (most first)."""
+    words = dict(HELD_WORDS, floor=f"held by the floor ({pct(o.kv_min_saved)} of the KV saved)")
+    total = sum(held.values())
+    return ", ".join(f"{words.get(k, k)} {n}" for k, n in sorted(held.items(), key=lambda kv: -kv[1])) + (
+        f" of {total} steps")
 
 
 def trend(history: list[dict[str, Any]], key: str, as_pct: bool = False) -> str:

@@ -6,6 +6,7 @@ import contextlib
 import json
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,9 @@ class Demo(Stack):
             # The budget published with the first and the last version (the adaptive controller's).
             "kv_budget_first": next((r["kv_budget"] for r in history if r.get("kv_budget")), None),
             "kv_budget_last": next((r["kv_budget"] for r in reversed(history) if r.get("kv_budget")), None),
+            # Why the controller's budget stayed put, step by step ("moved" when it did).
+            "kv_held_by_steps": dict(Counter(r.get("kv_held_by") or "moved" for r in history
+                                             if r.get("kv_budget") is not None)),
             "token_mask_rate": mean("token_mask_rate", history),
             "workers": {
                 f"demo-worker-{n}": {"version": v, "tokens_per_s": speeds.get(f"demo-worker-{n}")}

@@ -41,6 +41,13 @@ The rule (`KVBudgetController.update`):
    at its start budget sits inside the band would otherwise hold a budget that saves too little (a
    GPU cell held 30-36 tokens at 38 % saved).
 
+**What held the budget** (`kv_held_by` in each report, None when it moved with the version): `target`
+(the signal inside the band), `evidence` (fewer than `min_sequences` at the budget since the last
+move), `floor` (over the target, but `min_saved` allows no raise: the floor, not the target, set the
+budget), `min_budget` / `max_budget` (a move the bounds stopped), `fixed`. A controller held by its
+floor step after step has a target it cannot reach there (seen on a GPU: 36-41 % divergent against
+0.1 at the 40 % floor for a whole run); the operator reads that here instead of from the budget alone.
+
 Mode "fixed" never moves: the trainer publishes `start_budget` (None: nothing, workers keep their
 own budget, the behaviour before this controller). In "adaptive" mode with no `start_budget` the
 controller adopts the budget most of the first batch was sampled at (the workers' own).
@@ -61,6 +68,8 @@ from shared.schemas import Trajectory
 # (ξ < mask_low). Under a rule that vetoes only some of them (the default veto_negative, or the
 # authors' token rule) the veto rate understates the mismatch: 3 % vetoed with 35 % divergent was seen.
 Metric = Literal["rejection_rate", "divergent_rate", "kl_old_sampler"]
+# Why the budget published with a version did not move (module docstring); None: it moved.
+HeldBy = Literal["fixed", "evidence", "target", "floor", "min_budget", "max_budget"]
 
 
 def kv_saved_share(lengths: Sequence[tuple[int, int]], budget: int, buffer: int, keep_prompt: bool) -> float:
@@ -168,6 +177,7 @@ class KVBudgetController:
         self.step = settings.step  # tokens of the next move (rule 4)
         self.direction = 0  # of the last move: +1 up, −1 down, 0 none yet
         self.streak = 0  # moves in a row made in `direction`
+        self.held_by: HeldBy | None = "evidence" if self.adaptive else "fixed"
 
     @property
     def adaptive(self) -> bool:
@@ -203,7 +213,8 @@ class KVBudgetController:
             self._decide(next_version)
         return {"kv_budget": self.budget, "kv_signal": signal, "kv_evidence": evidence,
                 "kv_saved_signal": saved, "kv_budget_since": self.since, "kv_step": self.step,
-                "kv_direction": self.direction, "kv_streak": self.streak}
+                "kv_direction": self.direction, "kv_streak": self.streak, "kv_held_by": self.held_by,
+                "kv_metric": self.settings.metric, "kv_target": self.settings.target}
 
     def _observe(self, cells: list[Evidence]) -> None:
         total = sum(c.sequences for c in cells)
@@ -229,6 +240,7 @@ class KVBudgetController:
     def _decide(self, next_version: int) -> None:
         s = self.settings
         if self.budget is None or self.signal is None or self.evidence < s.min_sequences:
+            self.held_by = "evidence"
             return
         under_floor = s.min_saved is not None and self.saved is not None and self.saved < s.min_saved
         if under_floor or self.signal < s.target * (1 - s.deadband):
@@ -236,6 +248,7 @@ class KVBudgetController:
         elif self.signal > s.target * (1 + s.deadband):
             direction = 1
         else:
+            self.held_by = "target"
             return
         step, streak = self.step, self.streak + 1 if direction == self.direction else 1
         if self.direction and direction != self.direction:
@@ -244,11 +257,14 @@ class KVBudgetController:
             step = min(s.step, step * 2)
         tokens = step if direction < 0 else min(step, self._room())
         if tokens < 1:  # the floor allows no raise: hold, the step as it was
+            self.held_by = "floor"
             return
         self.step = step
         budget = self._clamp(self.budget + direction * tokens)
-        if budget != self.budget:
-            self.direction, self.streak = direction, streak
+        if budget == self.budget:
+            self.held_by = "max_budget" if direction > 0 else "min_budget"
+            return
+        self.direction, self.streak, self.held_by = direction, streak, None
         self._move(budget, next_version)
 
     def _room(self) -> int:
@@ -289,7 +305,7 @@ class KVBudgetController:
         return {"kv_budget": self.budget, "kv_budget_since": self.since, "kv_signal": self.signal,
                 "kv_evidence": self.evidence, "kv_moves": self.moves, "kv_step": self.step,
                 "kv_direction": self.direction, "kv_streak": self.streak, "kv_saved_signal": self.saved,
-                "kv_saved_per_token": self.saved_per_token}
+                "kv_saved_per_token": self.saved_per_token, "kv_held_by": self.held_by}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         self.budget, self.since = state["kv_budget"], state["kv_budget_since"]
@@ -299,3 +315,4 @@ class KVBudgetController:
         self.streak = state.get("kv_streak", int(self.direction != 0))
         # ...and from before rule 5 without the KV saved: the next step's evidence sets it.
         self.saved, self.saved_per_token = state.get("kv_saved_signal"), state.get("kv_saved_per_token")
+        self.held_by = state.get("kv_held_by", self.held_by)

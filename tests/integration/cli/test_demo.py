@@ -32,6 +32,8 @@ def test_demo_trains_publishes_and_leaves_nothing_running(tmp_path: Path, tiny_m
     assert "step 1 → v1" in out and "step 2 → v2" in out
     assert "3 (v0 snapshot + 2 patches)" in out
     assert "serving v2" in out  # the worker synced to the last version before the summary
+    # The adaptive controller (the default) saw 8 sequences a step, under its 64: it waited both steps.
+    assert "KV budget, step by step" in out and "waited for evidence 2 of 2 steps" in out
     assert "stopped: " in out
     logs = folder / "run" / "logs"
     assert {p.name for p in logs.iterdir()} >= {"redis.log", "registry.log", "trainer.log", "rollout-1.log"}

@@ -88,7 +88,7 @@ async def test_budget_published_per_version_logged_and_resumed(
         assert second.kv_control.state() == {"kv_budget": 24, "kv_budget_since": 1, "kv_signal": None,
                                              "kv_evidence": 0, "kv_moves": 0, "kv_step": 8,
                                              "kv_direction": -1, "kv_streak": 1, "kv_saved_signal": None,
-                                             "kv_saved_per_token": None}
+                                             "kv_saved_per_token": None, "kv_held_by": "evidence"}
         assert second.rollout_directive().kv_budget == 24
         await second.registry.aclose()
     await redis.aclose()

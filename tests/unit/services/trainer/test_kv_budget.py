@@ -276,3 +276,26 @@ def test_kv_saved_share_counts_the_peak_before_each_compression() -> None:
     assert kv_saved_share(lengths, budget=10, buffer=2, keep_prompt=True) == pytest.approx(1 - 39 / 60)
     assert kv_saved_share([(10, 30)], budget=64, buffer=2, keep_prompt=False) == 0.0  # never compressed
     assert kv_saved_share([], budget=8, buffer=2, keep_prompt=False) == 0.0
+
+
+def test_each_report_says_what_held_the_budget() -> None:
+    """`kv_held_by`: None when the budget moved, else why not; a controller held by its floor has a
+    target it cannot reach there, which the budget alone does not show."""
+    c = _controller(min_sequences=150)
+    assert c.update(_at(32, 0.9), next_version=1)["kv_held_by"] == "evidence"  # 100 < 150 sequences
+    assert c.update(_at(32, 0.9, version=1), next_version=2)["kv_held_by"] is None  # moved up
+    band = _controller()
+    report = band.update(_at(32, 0.3), next_version=1)
+    assert (report["kv_held_by"], report["kv_metric"], report["kv_target"]) == (
+        "target", "divergent_rate", 0.3)
+    floor = _controller(min_saved=0.4)
+    report = floor.update(_at(32, 0.9, saved=0.405, per_token=0.01), next_version=1)
+    assert (report["kv_budget"], report["kv_held_by"]) == (32, "floor")
+    top = _controller(start_budget=64)
+    assert top.update(_at(64, 0.9), next_version=1)["kv_held_by"] == "max_budget"
+    bottom = _controller(start_budget=16)
+    assert bottom.update(_at(16, 0.0), next_version=1)["kv_held_by"] == "min_budget"
+    assert _controller(mode="fixed").update(_at(32, 0.9), next_version=1)["kv_held_by"] == "fixed"
+    restored = _controller()
+    restored.load_state(floor.state())
+    assert restored.held_by == "floor"
