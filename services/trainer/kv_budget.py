@@ -214,7 +214,9 @@ class KVBudgetController:
         return {"kv_budget": self.budget, "kv_signal": signal, "kv_evidence": evidence,
                 "kv_saved_signal": saved, "kv_budget_since": self.since, "kv_step": self.step,
                 "kv_direction": self.direction, "kv_streak": self.streak, "kv_held_by": self.held_by,
-                "kv_metric": self.settings.metric, "kv_target": self.settings.target}
+                # What the controller holds; a fixed budget holds nothing.
+                "kv_metric": self.settings.metric if self.adaptive else None,
+                "kv_target": self.settings.target if self.adaptive else None}
 
     def _observe(self, cells: list[Evidence]) -> None:
         total = sum(c.sequences for c in cells)

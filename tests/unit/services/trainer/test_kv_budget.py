@@ -295,7 +295,8 @@ def test_each_report_says_what_held_the_budget() -> None:
     assert top.update(_at(64, 0.9), next_version=1)["kv_held_by"] == "max_budget"
     bottom = _controller(start_budget=16)
     assert bottom.update(_at(16, 0.0), next_version=1)["kv_held_by"] == "min_budget"
-    assert _controller(mode="fixed").update(_at(32, 0.9), next_version=1)["kv_held_by"] == "fixed"
+    fixed = _controller(mode="fixed").update(_at(32, 0.9), next_version=1)
+    assert (fixed["kv_held_by"], fixed["kv_metric"], fixed["kv_target"]) == ("fixed", None, None)
     restored = _controller()
     restored.load_state(floor.state())
     assert restored.held_by == "floor"
