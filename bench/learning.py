@@ -171,7 +171,7 @@ GPU_RECIPE = WarmstartRecipe(
                      "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32},
     eval_prompts=256, sampled_target=0.35, check_every=250, check_from=0,
     evict_share=0.0,  # dense SFT, as in every documented run (the demo's default is eviction-aware)
-    evict_from_sampled=None, evicted_check_kv=None,  # the recipe's hash as in every documented run
+    evict_from_sampled=None, evicted_check_kv=None, level_check=None,  # the hash of every documented run
 )
 PRESETS: dict[str, LearningConfig] = {
     # The controller as measured on the evictable R-KV 48 cell (docs/training.md, "The 0.45 target
@@ -185,7 +185,7 @@ PRESETS: dict[str, LearningConfig] = {
     # The whole pipeline on a CPU in a minute or two: a 60-step warm start of the demo's shape, tiny batches.
     "smoke": LearningConfig(
         recipe=WarmstartRecipe(steps=60, sampled_target=None, eval_prompts=16, evict_share=0.0,
-                               evict_from_sampled=None, evicted_check_kv=None),
+                               evict_from_sampled=None, evicted_check_kv=None, level_check=None),
         steps=3,
         groups=4,
         samples=4,

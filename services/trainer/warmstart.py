@@ -4,7 +4,8 @@ RL on a randomly initialised model learns nothing in minutes: rewards are all ze
 GRPO group has zero variance. A short supervised pass on reference completions gets the model to
 *partial* accuracy (short additions right, long ones often wrong), which leaves RL visible room.
 Half of each batch is trained under the demo's KV cache (`evict_share`), so the model samples
-about as well under that cache as with a dense one, on any CPU.
+about as well under that cache as with a dense one, on any CPU. A build that stops before it can
+add some operand length at all is built again from the next seed (`LevelCheck`).
 
     python -m services.trainer.warmstart --out DIR [--steps N] [--seed S]
     python -m services.trainer.warmstart --ensure CACHE_DIR   # the cached default model (the demo's)
@@ -52,12 +53,27 @@ DEMO_WORKER_CACHE: dict[str, int | str | bool] = DEMO_KV.model_dump(
 DEMO_CACHE: dict[str, int | str | bool] = {**DEMO_WORKER_CACHE, "keep_prompt": False}
 # Fields added after recipes were cached: at their default (None) they stay out of the hash, so the
 # recipes before them keep their hashes and their cached warm starts.
-LATER_FIELDS = ("evict_from_sampled", "evicted_check_kv")
+LATER_FIELDS = ("evict_from_sampled", "evicted_check_kv", "level_check")
 
 # Bump when the training code changes in a way the recipe fields do not capture.
 RECIPE_VERSION = 3  # 2: balanced digit counts, explicit cross-entropy; 3: seeded sampling checks
 STAMP_FILE = "warmstart.stamp"
 REPORT_FILE = "warmstart.json"
+
+
+class LevelCheck(BaseModel):
+    """What a kept warm start must show on every level of its task, else it is built again."""
+
+    model_config = ConfigDict(frozen=True)
+
+    # Dense sampled (T = 1) accuracy each level must reach. On a Zen 4 the warm starts behind most
+    # of the demo's missed rises stopped with the 5- and 6-digit sums at 5-8 %, where every one
+    # that met the criteria had each length at >= 27 % (docs/training.md, "A warm start that has
+    # every length, or is built again"): RL lifts a level its sampler sometimes gets right.
+    min_sampled: float = Field(default=0.15, gt=0.0, le=1.0)
+    prompts: int = Field(default=64, ge=1)  # per level; at 64, 5 % and 27 % fall on either side of 15 %
+    # Builds from the next seeds (seed + 1, + 2, ...) before the best one is kept anyway.
+    rebuilds: int = Field(default=2, ge=0)
 
 
 class WarmstartRecipe(BaseModel):
@@ -166,6 +182,9 @@ class WarmstartRecipe(BaseModel):
     room_target: float | None = None
     room_floor: float = 0.1
     room_prompts: int = 64
+    # Checked on the kept model: a build with a level sampled right less often than the check asks
+    # is built again from the next seed (`build_warmstart`). None: the first build is kept.
+    level_check: LevelCheck | None = Field(default_factory=LevelCheck)
 
     def fingerprint(self) -> str:
         """Hash of everything that determines the weights: recipe, vocab, code version."""
@@ -498,6 +517,73 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
     return report
 
 
+# Prompts of the level check, apart from the stop's checks (7_000_001 + step and up) and the
+# held-out sets.
+LEVEL_CHECK_SEED = 7_900_001
+
+
+def level_sampled_accuracy(model_dir: Path, recipe: WarmstartRecipe) -> list[float]:
+    """Dense sampled (T = 1) accuracy of the saved model on each level of the recipe's first task,
+    `level_check.prompts` fresh prompts a level (the same prompts for every seed)."""
+    assert recipe.level_check is not None
+    device = torch.device(recipe.device)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    # The saved bf16 weights, cast to fp32 where this CPU only emulates bf16, as the held-out evaluation
+    # does (this load is the one the measured builds used; loaded as fp32 directly, the same weights
+    # sampled a few prompts differently).
+    model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    model = model.to(compute_dtype(device, torch.bfloat16)).to(device)  # type: ignore[arg-type]  # stubs
+    name = sorted(recipe.task_mix)[0]
+    levels = get_task(name, **recipe.task_options.get(name, {})).levels()
+    prompts = recipe.level_check.prompts
+    return [evaluate(model, tokenizer, level, level.make_prompts(prompts, LEVEL_CHECK_SEED + i),
+                     sample=True)["accuracy"] for i, level in enumerate(levels)]
+
+
+def build_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: int = 50) -> dict:
+    """`train_warmstart`, then the recipe's level check: a build with a level sampled right less
+    often than `level_check.min_sampled` is built again from the next seed, up to `rebuilds` times;
+    the first that passes is kept, else the one whose weakest level is highest. The dir is stamped
+    with `recipe`'s hash whichever seed trained it, and its report lists every build."""
+    out_dir = Path(out_dir)
+    check = recipe.level_check
+    if check is None:
+        return train_warmstart(recipe, out_dir, log_every=log_every)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    builds: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix=".warmstart-builds-", dir=out_dir.parent) as scratch:
+        best: tuple[float, int, Path, dict] | None = None  # weakest level, seed, dir, report
+        last = recipe.seed + check.rebuilds
+        for seed in range(recipe.seed, last + 1):
+            seeded = recipe.model_copy(update={"seed": seed})
+            where = Path(scratch) / f"seed-{seed}"
+            report = train_warmstart(seeded, where, log_every=log_every)
+            levels = level_sampled_accuracy(where, seeded)
+            builds.append({"seed": seed, "levels_sampled": levels, "kept_step": report["kept_step"],
+                           "train_seconds": report["train_seconds"]})
+            print(f"warmstart: seed {seed} samples its levels right "
+                  f"{' / '.join(f'{a:.0%}' for a in levels)} of the time", flush=True)
+            if best is None or min(levels) > best[0]:
+                best = (min(levels), seed, where, report)
+            if min(levels) >= check.min_sampled:
+                break
+            if seed < last:  # the demo's launcher shows lines that start with REBUILD
+                print(f"REBUILD level {levels.index(min(levels))} sampled right {min(levels):.0%} of the "
+                      f"time, under {check.min_sampled:.0%}: building again from seed {seed + 1}", flush=True)
+        assert best is not None
+        weakest, kept_seed, kept, report = best
+        for item in kept.iterdir():
+            target = out_dir / item.name
+            if target.is_dir():
+                shutil.rmtree(target)
+            shutil.move(str(item), target)
+    report |= {"recipe": recipe.model_dump(), "recipe_hash": recipe.fingerprint(), "builds": builds,
+               "seed_built": kept_seed, "level_check_passed": weakest >= check.min_sampled}
+    (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    (out_dir / STAMP_FILE).write_text(recipe.fingerprint() + "\n")
+    return report
+
+
 def is_current(model_dir: Path, recipe: WarmstartRecipe) -> bool:
     stamp = model_dir / STAMP_FILE
     return stamp.is_file() and stamp.read_text().strip() == recipe.fingerprint()
@@ -517,7 +603,7 @@ def ensure_warmstart_model(cache_dir: str | Path, recipe: WarmstartRecipe | None
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".warmstart-", dir=cache_dir))
     try:
-        train_warmstart(recipe, tmp)
+        build_warmstart(recipe, tmp)
         if target.exists() and not is_current(target, recipe):
             shutil.rmtree(target)  # a partial or stale dir under the current name
         try:
@@ -542,7 +628,8 @@ def recipe_from_args(args: argparse.Namespace) -> WarmstartRecipe:
                            task_options={**defaults.task_options, "addition": addition},
                            evict_kv={**defaults.evict_kv, "budget": args.evict_budget},
                            evict_from_sampled=args.evict_from_sampled, check_every=args.check_every,
-                           evicted_check_kv=None if args.check_under == "train" else dict(DEMO_WORKER_CACHE))
+                           evicted_check_kv=None if args.check_under == "train" else dict(DEMO_WORKER_CACHE),
+                           level_check=None if args.no_level_check else defaults.level_check)
 
 
 def _accuracy_or_none(text: str) -> float | None:
@@ -582,6 +669,10 @@ def arg_parser() -> argparse.ArgumentParser:
                         "WarmstartRecipe.evicted_check_kv)")
     parser.add_argument("--check-every", type=int, default=defaults.check_every,
                         help="steps between the stop's sampled checks (WarmstartRecipe.check_every)")
+    parser.add_argument("--no-level-check", action="store_true",
+                        help="keep the first build whatever it samples per level (by default a build "
+                        "with a level sampled right less often than WarmstartRecipe.level_check asks is "
+                        "built again from the next seed)")
     parser.add_argument("--scratchpad", choices=get_args(Scratchpad),
                         help="addition's scratchpad (shared.tasks.addition; default: the recipe's)")
     parser.add_argument("--log-every", type=int, default=50)
@@ -601,10 +692,9 @@ def main(argv: list[str] | None = None) -> None:
             print("TRAINING", recipe.steps, flush=True)
         print("MODEL", ensure_warmstart_model(cache, recipe), flush=True)
         return
-    report = train_warmstart(recipe, args.out, log_every=args.log_every)
-    print(
-        json.dumps({k: report[k] for k in ("final_loss", "train_seconds", "total_seconds", "eval")}, indent=2)
-    )
+    report = build_warmstart(recipe, args.out, log_every=args.log_every)
+    print(json.dumps({k: report[k] for k in ("final_loss", "train_seconds", "total_seconds", "eval", "builds")
+                      if k in report}, indent=2))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from services.trainer import warmstart
 from services.trainer.warmstart import WarmstartRecipe, ensure_warmstart_model, train_warmstart
 
-SHORT = WarmstartRecipe(steps=3, batch_size=4, warmup_steps=1, eval_prompts=0)
+# No level check: a 3-step model samples no level right (`test_a_build_that_lacks_a_level_...`).
+SHORT = WarmstartRecipe(steps=3, batch_size=4, warmup_steps=1, eval_prompts=0, level_check=None)
 
 
 def _digest(path) -> str:
@@ -169,24 +170,26 @@ def test_eviction_aware_sft_starts_at_the_first_check_past_its_gate(tmp_path, mo
 
 
 def test_later_fields_are_part_of_the_recipe_hash_only_when_set():
-    """Recipes from before `evict_from_sampled` and `evicted_check_kv` (both None) keep their hashes
-    and their cached warm starts; set, each makes a recipe of its own. The command line gives the
-    default recipe, or the one before them with `--evict-from-sampled none --check-under train
-    --check-every 50`."""
-    before = WarmstartRecipe(**FROM_THE_START, check_every=50)
+    """Recipes from before `evict_from_sampled`, `evicted_check_kv` and `level_check` (all None)
+    keep their hashes and their cached warm starts; set, each makes a recipe of its own. The command
+    line gives the default recipe, or the one before them with `--evict-from-sampled none
+    --check-under train --check-every 50 --no-level-check`."""
+    before = WarmstartRecipe(**FROM_THE_START, check_every=50, level_check=None)
     fields = before.model_dump()
-    del fields["evict_from_sampled"], fields["evicted_check_kv"]
+    del fields["evict_from_sampled"], fields["evicted_check_kv"], fields["level_check"]
     blob = json.dumps({"recipe": fields, "vocab": warmstart.char_vocab(), "version": warmstart.RECIPE_VERSION,
                        "torch": torch.__version__.split("+")[0]}, sort_keys=True)
     assert before.fingerprint() == hashlib.sha256(blob.encode()).hexdigest()
     default = WarmstartRecipe()
     assert default.evict_from_sampled == 0.2 and default.evicted_check_kv == warmstart.DEMO_WORKER_CACHE
     gated = before.model_copy(update={"evict_from_sampled": 0.2})
-    assert len({before.fingerprint(), gated.fingerprint(), default.fingerprint()}) == 3
+    checked = before.model_copy(update={"level_check": warmstart.LevelCheck()})
+    assert len({before.fingerprint(), gated.fingerprint(), checked.fingerprint(), default.fingerprint()}) == 4
+    assert default.level_check == warmstart.LevelCheck(min_sampled=0.15, prompts=64, rebuilds=2)
     parse = warmstart.arg_parser().parse_args
     assert warmstart.recipe_from_args(parse(["--out", "x"])) == default
     old = parse(["--out", "x", "--evict-from-sampled", "none", "--check-under", "train",
-                 "--check-every", "50"])
+                 "--check-every", "50", "--no-level-check"])
     assert warmstart.recipe_from_args(old) == before
     gate = parse(["--out", "x", "--evict-from-sampled", "0.4"])
     assert warmstart.recipe_from_args(gate).evict_from_sampled == 0.4
@@ -314,7 +317,7 @@ def test_the_room_stop_waits_for_room_and_else_keeps_the_roomiest_check(tmp_path
 
 def test_the_command_line_sets_the_cache_the_sft_is_evicted_under(tmp_path, monkeypatch):
     built = []
-    monkeypatch.setattr(warmstart, "train_warmstart",
+    monkeypatch.setattr(warmstart, "build_warmstart",
                         lambda recipe, out, log_every: built.append(recipe) or
                         {"final_loss": 0, "train_seconds": 0, "total_seconds": 0, "eval": {}})
     warmstart.main(["--out", str(tmp_path), "--seed", "3"])
@@ -336,3 +339,71 @@ def test_the_command_line_sets_the_cache_the_sft_is_evicted_under(tmp_path, monk
     warmstart.main(["--ensure", str(tmp_path), "--scratchpad", "column"])
     assert ensured[0].fingerprint() == warmstart.WarmstartRecipe().fingerprint()
     assert ensured[1].task_options["addition"]["scratchpad"] == "column"
+
+
+def _fake_levels(monkeypatch, per_seed: dict[int, list[float]]) -> list[int]:
+    """`level_sampled_accuracy` as given per seed; returns the seeds it was asked about."""
+    asked: list[int] = []
+
+    def levels(model_dir, recipe):
+        asked.append(recipe.seed)
+        return per_seed[recipe.seed]
+
+    monkeypatch.setattr(warmstart, "level_sampled_accuracy", levels)
+    return asked
+
+
+CHECKED = SHORT.model_copy(update={"level_check": warmstart.LevelCheck(min_sampled=0.15, prompts=2,
+                                                                      rebuilds=2)})
+
+
+def test_a_build_that_lacks_a_level_is_built_again_from_the_next_seed(tmp_path, monkeypatch, capsys):
+    train_warmstart(SHORT.model_copy(update={"seed": 1}), tmp_path / "seed1", log_every=0)
+    asked = _fake_levels(monkeypatch, {0: [0.9, 0.6, 0.05, 0.0], 1: [0.9, 0.7, 0.4, 0.2]})
+    report = warmstart.build_warmstart(CHECKED, tmp_path / "out", log_every=0)
+    assert asked == [0, 1]  # seed 1 passed: seed 2 not built
+    assert report["seed_built"] == 1 and report["level_check_passed"] is True
+    assert [b["seed"] for b in report["builds"]] == [0, 1]
+    assert report["builds"][0]["levels_sampled"] == [0.9, 0.6, 0.05, 0.0]
+    # Seed 1's weights, byte for byte, under the requested recipe's hash (so the cache finds them).
+    assert _digest(tmp_path / "out") == _digest(tmp_path / "seed1")
+    assert warmstart.is_current(tmp_path / "out", CHECKED)
+    saved = json.loads((tmp_path / "out" / "warmstart.json").read_text())
+    assert saved["recipe_hash"] == CHECKED.fingerprint() and saved["recipe"]["seed"] == 0
+    assert saved["seed_built"] == 1
+    rebuild = "REBUILD level 3 sampled right 0% of the time, under 15%: building again from seed 1"
+    assert rebuild in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "seed1"]  # no scratch dir left behind
+
+
+def test_a_build_that_passes_is_kept_as_built_and_none_passing_keeps_the_strongest(tmp_path, monkeypatch):
+    train_warmstart(SHORT, tmp_path / "plain", log_every=0)
+    asked = _fake_levels(monkeypatch, {0: [0.9, 0.5, 0.3, 0.15]})  # at the threshold: passes
+    report = warmstart.build_warmstart(CHECKED, tmp_path / "first", log_every=0)
+    assert asked == [0] and report["seed_built"] == 0 and len(report["builds"]) == 1
+    assert _digest(tmp_path / "first") == _digest(tmp_path / "plain")
+
+    train_warmstart(SHORT.model_copy(update={"seed": 1}), tmp_path / "seed1", log_every=0)
+    asked = _fake_levels(monkeypatch, {0: [0.9, 0.05, 0.0, 0.0], 1: [0.9, 0.6, 0.3, 0.1],
+                                       2: [0.9, 0.6, 0.2, 0.05]})
+    report = warmstart.build_warmstart(CHECKED, tmp_path / "none", log_every=0)
+    assert asked == [0, 1, 2]  # rebuilds=2: three builds at most
+    assert report["seed_built"] == 1 and report["level_check_passed"] is False  # weakest level 0.1: the best
+    assert _digest(tmp_path / "none") == _digest(tmp_path / "seed1")
+
+
+def test_the_level_check_samples_each_level_of_the_task(tmp_path):
+    train_warmstart(SHORT, tmp_path, log_every=0)
+    levels = warmstart.level_sampled_accuracy(tmp_path, CHECKED)
+    assert len(levels) == len(warmstart.get_task("addition", **SHORT.task_options["addition"]).levels()) == 4
+    assert all(0.0 <= a <= 1.0 for a in levels)
+
+
+def test_the_gpu_recipes_and_the_cli_can_do_without_the_level_check():
+    from bench.learning import GPU_RECIPE, PRESETS
+
+    # Unset, the field stays out of their hashes (`test_later_fields_...`): the documented runs' warm starts.
+    assert GPU_RECIPE.level_check is None and PRESETS["smoke"].recipe.level_check is None
+    parse = warmstart.arg_parser().parse_args
+    assert warmstart.recipe_from_args(parse(["--out", "x", "--no-level-check"])).level_check is None
+    assert warmstart.recipe_from_args(parse(["--out", "x"])).level_check == WarmstartRecipe().level_check
