@@ -192,8 +192,8 @@ class Stack:
                             f"only: cached under {cache})"
                         )
                         progress.update(task, description="SFT: starting")
-                    elif line.startswith("REBUILD "):  # the build lacks a level: the next seed's
-                        self.say(f"  warm-start model: {line[8:]}")
+                    elif line.startswith("NOTE "):  # a build lacks a level: the next seed's, or kept anyway
+                        self.say(f"  warm-start model: {line[5:]}")
                     elif m := step_line.search(line):
                         done, total, loss = int(m[1]), int(m[2]), m[3]
                         text = f"SFT step {done}/{total}, loss {loss}" + (

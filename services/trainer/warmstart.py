@@ -522,6 +522,17 @@ def train_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
 LEVEL_CHECK_SEED = 7_900_001
 
 
+def _level_tasks(recipe: WarmstartRecipe) -> list[Task]:
+    name = sorted(recipe.task_mix)[0]
+    return get_task(name, **recipe.task_options.get(name, {})).levels()
+
+
+def _level_example(recipe: WarmstartRecipe, level: int) -> str:
+    """The first prompt the level check asks of `level` (what a user reads for "level 3")."""
+    assert recipe.level_check is not None
+    return _level_tasks(recipe)[level].make_prompts(1, LEVEL_CHECK_SEED + level)[0][0].strip()
+
+
 def level_sampled_accuracy(model_dir: Path, recipe: WarmstartRecipe) -> list[float]:
     """Dense sampled (T = 1) accuracy of the saved model on each level of the recipe's first task,
     `level_check.prompts` fresh prompts a level (the same prompts for every seed)."""
@@ -533,11 +544,9 @@ def level_sampled_accuracy(model_dir: Path, recipe: WarmstartRecipe) -> list[flo
     # sampled a few prompts differently).
     model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     model = model.to(compute_dtype(device, torch.bfloat16)).to(device)  # type: ignore[arg-type]  # stubs
-    name = sorted(recipe.task_mix)[0]
-    levels = get_task(name, **recipe.task_options.get(name, {})).levels()
     prompts = recipe.level_check.prompts
     return [evaluate(model, tokenizer, level, level.make_prompts(prompts, LEVEL_CHECK_SEED + i),
-                     sample=True)["accuracy"] for i, level in enumerate(levels)]
+                     sample=True)["accuracy"] for i, level in enumerate(_level_tasks(recipe))]
 
 
 def build_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: int = 50) -> dict:
@@ -567,11 +576,16 @@ def build_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
                 best = (min(levels), seed, where, report)
             if min(levels) >= check.min_sampled:
                 break
-            if seed < last:  # the demo's launcher shows lines that start with REBUILD
-                print(f"REBUILD level {levels.index(min(levels))} sampled right {min(levels):.0%} of the "
-                      f"time, under {check.min_sampled:.0%}: building again from seed {seed + 1}", flush=True)
+            # The demo's launcher shows the lines that start with NOTE.
+            weak = levels.index(min(levels))
+            print(f"NOTE seed {seed}'s build samples prompts like {_level_example(recipe, weak)!r} right "
+                  f"{min(levels):.0%} of the time, under {check.min_sampled:.0%}: "
+                  + (f"building again from seed {seed + 1}" if seed < last else "no more builds"), flush=True)
         assert best is not None
         weakest, kept_seed, kept, report = best
+        if weakest < check.min_sampled:
+            print(f"NOTE no build of seeds {recipe.seed}-{last} passed: keeping seed {kept_seed}'s, whose "
+                  f"weakest level is sampled right {weakest:.0%} of the time", flush=True)
         for item in kept.iterdir():
             target = out_dir / item.name
             if target.is_dir():
