@@ -529,7 +529,6 @@ def _level_tasks(recipe: WarmstartRecipe) -> list[Task]:
 
 def _level_example(recipe: WarmstartRecipe, level: int) -> str:
     """The first prompt the level check asks of `level` (what a user reads for "level 3")."""
-    assert recipe.level_check is not None
     return _level_tasks(recipe)[level].make_prompts(1, LEVEL_CHECK_SEED + level)[0][0].strip()
 
 
@@ -568,18 +567,19 @@ def build_warmstart(recipe: WarmstartRecipe, out_dir: str | Path, *, log_every: 
             where = Path(scratch) / f"seed-{seed}"
             report = train_warmstart(seeded, where, log_every=log_every)
             levels = level_sampled_accuracy(where, seeded)
+            lowest = min(levels)
             builds.append({"seed": seed, "levels_sampled": levels, "kept_step": report["kept_step"],
                            "train_seconds": report["train_seconds"]})
             print(f"warmstart: seed {seed} samples its levels right "
                   f"{' / '.join(f'{a:.0%}' for a in levels)} of the time", flush=True)
-            if best is None or min(levels) > best[0]:
-                best = (min(levels), seed, where, report)
-            if min(levels) >= check.min_sampled:
+            if best is None or lowest > best[0]:
+                best = (lowest, seed, where, report)
+            if lowest >= check.min_sampled:
                 break
             # The demo's launcher shows the lines that start with NOTE.
-            weak = levels.index(min(levels))
+            weak = levels.index(lowest)
             print(f"NOTE seed {seed}'s build samples prompts like {_level_example(recipe, weak)!r} right "
-                  f"{min(levels):.0%} of the time, under {check.min_sampled:.0%}: "
+                  f"{lowest:.0%} of the time, under {check.min_sampled:.0%}: "
                   + (f"building again from seed {seed + 1}" if seed < last else "no more builds"), flush=True)
         assert best is not None
         weakest, kept_seed, kept, report = best
