@@ -158,12 +158,11 @@ class Demo(Stack):
         model_dir = self.warm_start_model()
         self.calibrate_kv(model_dir)
         self.resolve_kv_budget(model_dir)
-        # The trainer boots while the registry may still be starting: its registry client
-        # retries refused connections, and loading the model takes longer anyway.
+        # Everything boots at once: the trainer's registry client retries refused connections, and
+        # a worker waits (not ready) until the trainer has published v0, so their imports overlap.
         self.start_trainer(model_dir)
-        self.wait_ready(["registry", "trainer"])  # the trainer publishes v0 before it is ready
         self.start_workers()
-        self.wait_ready([f"rollout-{n}" for n in range(1, self.o.workers + 1)])
+        self.wait_ready(["registry", "trainer", *(f"rollout-{n}" for n in range(1, self.o.workers + 1))])
         env_file = self.write_env_file()
         status, history = self.train()
         figures = self.figures(status, history)
