@@ -227,6 +227,14 @@ def test_pinned_versions_agree_with_the_project() -> None:
     assert "FROM python:3.11-slim" in cpu
 
 
+
+def test_the_images_ship_the_license_the_project_declares() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"  # an SPDX expression (PEP 639), not the old table
+    assert (ROOT / "LICENSE").read_text().split()[:4] == ["Apache", "License", "Version", "2.0,"]
+    for dockerfile in DOCKERFILES:  # their COPY sources are checked against .dockerignore above
+        assert re.search(r"^COPY .*\bLICENSE\b.* /tmp/sparsecast/", dockerfile.read_text(), re.M), dockerfile
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         self.send_response(200 if self.path == "/healthz" else 503)
