@@ -24,7 +24,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from services.rollout.engine import KVConfig, LLMEngine
 from services.rollout.engine.evaluation import evaluate as evaluate_on_engine
 from services.trainer.evaluation import evaluate
-from services.trainer.warmstart import DEMO_CACHE, WarmstartRecipe, room_for_rl
+from services.trainer.warmstart import room_for_rl
+from services.trainer.warmstart_recipe import DEMO_CACHE, WarmstartRecipe
 from shared.dtypes import compute_dtype
 from shared.tasks import Task, get_task
 

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:  # imported where a tokenizer is built: the vocab alone is wanted without transformers
+    from transformers import PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0..3, in this order
@@ -39,6 +42,8 @@ def char_vocab() -> dict[str, int]:
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """The demo tokenizer: one id per character, BOS prepended on encode, EOS/PAD as special tokens."""
+    from transformers import PreTrainedTokenizerFast
+
     raw = Tokenizer(models.WordLevel(vocab=char_vocab(), unk_token=UNK))
     # Split every character (newlines included) into its own word; WordLevel then maps it to an id.
     raw.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")

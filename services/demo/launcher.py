@@ -23,6 +23,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from services.demo.options import RUN, TASK, DemoOptions
 from services.demo.processes import Child, DemoFailed, Processes
 from services.trainer.kv_budget import KVControlSettings, kv_saved_share
+from services.trainer.warmstart_recipe import arg_parser, cached_model_dir, is_current, recipe_from_args
 from shared.kv import DEMO_KV
 from shared.ports import free_port
 from shared.tasks import get_task
@@ -160,14 +161,14 @@ class Stack:
         for partial in cache.glob(".warmstart-*"):
             if partial.stat().st_mtime < stale:
                 shutil.rmtree(partial, ignore_errors=True)
+        argv = ["--ensure", str(cache), *(["--scratchpad", self.o.scratchpad] if self.o.scratchpad else [])]
+        recipe = recipe_from_args(arg_parser().parse_args(argv))
+        if is_current(cached := cached_model_dir(cache, recipe), recipe):  # no child importing torch
+            self.say(f"[green]✓[/] warm-start model {cached}")
+            return cached
         env = self.base_env() | {"OMP_NUM_THREADS": "2"}
-        child = self.procs.start(
-            "warmstart",
-            [sys.executable, "-m", "services.trainer.warmstart", "--ensure", str(cache),
-             *(["--scratchpad", self.o.scratchpad] if self.o.scratchpad else [])],
-            env,
-            cwd=self.state_dir,
-        )
+        child = self.procs.start("warmstart", [sys.executable, "-m", "services.trainer.warmstart", *argv],
+                                 env, cwd=self.state_dir)
         step_line = re.compile(r"warmstart step (\d+)/(\d+) loss ([\d.]+)")
         progress = Progress(
             TextColumn("{task.description}"),

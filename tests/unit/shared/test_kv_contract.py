@@ -105,7 +105,7 @@ def test_deployment_kv_defaults_are_the_demo_and_sparse_rl_ones() -> None:
     # section's defaults (Sparse-RL's), under the section's names SPARSECAST_KV__* (the flat
     # SPARSECAST_KV_* aliases are refused in the deploy files: tests/unit/deploy/test_deploy_env.py).
     from services.demo.options import DemoOptions
-    from services.trainer.warmstart import DEMO_CACHE
+    from services.trainer.warmstart_recipe import DEMO_CACHE
     from shared.kv import DEMO_KV, DEMO_KV_BUDGET, DEMO_KV_BUFFER, DEMO_KV_POLICY
 
     root = REPO_ROOT

@@ -9,8 +9,9 @@ import torch
 from pydantic import ValidationError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.trainer import warmstart
-from services.trainer.warmstart import WarmstartRecipe, ensure_warmstart_model, train_warmstart
+from services.trainer import warmstart, warmstart_recipe
+from services.trainer.warmstart import ensure_warmstart_model, train_warmstart
+from services.trainer.warmstart_recipe import LevelCheck, WarmstartRecipe
 
 # No level check: a 3-step model samples no level right (`test_a_build_that_lacks_a_level_...`).
 SHORT = WarmstartRecipe(steps=3, batch_size=4, warmup_steps=1, eval_prompts=0, level_check=None)
@@ -177,27 +178,29 @@ def test_later_fields_are_part_of_the_recipe_hash_only_when_set():
     before = WarmstartRecipe(**FROM_THE_START, check_every=50, level_check=None)
     fields = before.model_dump()
     del fields["evict_from_sampled"], fields["evicted_check_kv"], fields["level_check"]
-    blob = json.dumps({"recipe": fields, "vocab": warmstart.char_vocab(), "version": warmstart.RECIPE_VERSION,
-                       "torch": torch.__version__.split("+")[0]}, sort_keys=True)
+    blob = json.dumps({"recipe": fields, "vocab": warmstart_recipe.char_vocab(),
+                       "version": warmstart_recipe.RECIPE_VERSION, "torch": torch.__version__.split("+")[0]},
+                      sort_keys=True)
     assert before.fingerprint() == hashlib.sha256(blob.encode()).hexdigest()
     default = WarmstartRecipe()
-    assert default.evict_from_sampled == 0.2 and default.evicted_check_kv == warmstart.DEMO_WORKER_CACHE
+    assert default.evict_from_sampled == 0.2
+    assert default.evicted_check_kv == warmstart_recipe.DEMO_WORKER_CACHE
     gated = before.model_copy(update={"evict_from_sampled": 0.2})
-    checked = before.model_copy(update={"level_check": warmstart.LevelCheck()})
+    checked = before.model_copy(update={"level_check": warmstart_recipe.LevelCheck()})
     assert len({before.fingerprint(), gated.fingerprint(), checked.fingerprint(), default.fingerprint()}) == 4
-    assert default.level_check == warmstart.LevelCheck(min_sampled=0.15, prompts=64, rebuilds=2)
-    parse = warmstart.arg_parser().parse_args
-    assert warmstart.recipe_from_args(parse(["--out", "x"])) == default
+    assert default.level_check == warmstart_recipe.LevelCheck(min_sampled=0.15, prompts=64, rebuilds=2)
+    parse = warmstart_recipe.arg_parser().parse_args
+    assert warmstart_recipe.recipe_from_args(parse(["--out", "x"])) == default
     old = parse(["--out", "x", "--evict-from-sampled", "none", "--check-under", "train",
                  "--check-every", "50", "--no-level-check"])
-    assert warmstart.recipe_from_args(old) == before
+    assert warmstart_recipe.recipe_from_args(old) == before
     gate = parse(["--out", "x", "--evict-from-sampled", "0.4"])
-    assert warmstart.recipe_from_args(gate).evict_from_sampled == 0.4
+    assert warmstart_recipe.recipe_from_args(gate).evict_from_sampled == 0.4
     assert default.check_every == 25
-    coarser = warmstart.recipe_from_args(parse(["--out", "x", "--check-every", "50"]))
+    coarser = warmstart_recipe.recipe_from_args(parse(["--out", "x", "--check-every", "50"]))
     assert coarser.check_every == 50 and coarser.fingerprint() != default.fingerprint()
     with pytest.raises(ValidationError):
-        warmstart.recipe_from_args(parse(["--out", "x", "--check-every", "0"]))
+        warmstart_recipe.recipe_from_args(parse(["--out", "x", "--check-every", "0"]))
     with pytest.raises(SystemExit) as usage:  # the command line says so instead of a traceback
         warmstart.main(["--out", "x", "--check-every", "0"])
     assert usage.value.code == 2
@@ -323,7 +326,7 @@ def test_the_command_line_sets_the_cache_the_sft_is_evicted_under(tmp_path, monk
     warmstart.main(["--out", str(tmp_path), "--seed", "3"])
     warmstart.main(["--out", str(tmp_path), "--seed", "3", "--evict-budget", "36"])
     default, wider = built
-    assert default == warmstart.WarmstartRecipe(seed=3)  # nothing given: the default recipe
+    assert default == warmstart_recipe.WarmstartRecipe(seed=3)  # nothing given: the default recipe
     assert wider.evict_kv == {**default.evict_kv, "budget": 36} and default.evict_kv["budget"] == 32
     assert wider.fingerprint() != default.fingerprint()  # its own cache entry
     warmstart.main(["--out", str(tmp_path), "--seed", "3", "--scratchpad", "column"])
@@ -337,7 +340,7 @@ def test_the_command_line_sets_the_cache_the_sft_is_evicted_under(tmp_path, monk
                         lambda cache, recipe: ensured.append(recipe) or Path(cache))
     warmstart.main(["--ensure", str(tmp_path)])
     warmstart.main(["--ensure", str(tmp_path), "--scratchpad", "column"])
-    assert ensured[0].fingerprint() == warmstart.WarmstartRecipe().fingerprint()
+    assert ensured[0].fingerprint() == warmstart_recipe.WarmstartRecipe().fingerprint()
     assert ensured[1].task_options["addition"]["scratchpad"] == "column"
 
 
@@ -353,7 +356,7 @@ def _fake_levels(monkeypatch, per_seed: dict[int, list[float]]) -> list[int]:
     return asked
 
 
-CHECKED = SHORT.model_copy(update={"level_check": warmstart.LevelCheck(min_sampled=0.15, prompts=2,
+CHECKED = SHORT.model_copy(update={"level_check": warmstart_recipe.LevelCheck(min_sampled=0.15, prompts=2,
                                                                       rebuilds=2)})
 
 
@@ -367,7 +370,7 @@ def test_a_build_that_lacks_a_level_is_built_again_from_the_next_seed(tmp_path, 
     assert report["builds"][0]["levels_sampled"] == [0.9, 0.6, 0.05, 0.0]
     # Seed 1's weights, byte for byte, under the requested recipe's hash (so the cache finds them).
     assert _digest(tmp_path / "out") == _digest(tmp_path / "seed1")
-    assert warmstart.is_current(tmp_path / "out", CHECKED)
+    assert warmstart_recipe.is_current(tmp_path / "out", CHECKED)
     saved = json.loads((tmp_path / "out" / "warmstart.json").read_text())
     assert saved["recipe_hash"] == CHECKED.fingerprint() and saved["recipe"]["seed"] == 0
     assert saved["seed_built"] == 1
@@ -408,6 +411,6 @@ def test_the_gpu_recipes_and_the_cli_can_do_without_the_level_check():
 
     # Unset, the field stays out of their hashes (`test_later_fields_...`): the documented runs' warm starts.
     assert GPU_RECIPE.level_check is None and PRESETS["smoke"].recipe.level_check is None
-    parse = warmstart.arg_parser().parse_args
-    assert warmstart.recipe_from_args(parse(["--out", "x", "--no-level-check"])).level_check is None
-    assert warmstart.recipe_from_args(parse(["--out", "x"])).level_check == WarmstartRecipe().level_check
+    parse = warmstart_recipe.arg_parser().parse_args
+    assert warmstart_recipe.recipe_from_args(parse(["--out", "x", "--no-level-check"])).level_check is None
+    assert warmstart_recipe.recipe_from_args(parse(["--out", "x"])).level_check == LevelCheck()
