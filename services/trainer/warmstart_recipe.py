@@ -1,8 +1,9 @@
 """What a warm start is, without torch: its recipe, the recipe's hash, its command line and where the
 cache keeps it (`services.trainer.warmstart` builds it).
 
-Apart from the build so that `sparsecast demo` can find a cached warm start in its own process: asking
-a child that imports torch and transformers cost 9 s of every cached run on a 2-core Zen 3.
+Kept apart from the build so that `sparsecast demo` finds a cached warm start in its own process: a
+child importing torch and transformers only to hash the recipe cost 9 s of every cached run on a
+2-core Zen 3.
 """
 
 from __future__ import annotations
