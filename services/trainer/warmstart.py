@@ -478,7 +478,7 @@ def ensure_warmstart_model(cache_dir: str | Path, recipe: WarmstartRecipe | None
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = arg_parser()
+    parser = arg_parser(description=__doc__.split("\n")[0])
     args = parser.parse_args(argv)
     try:
         recipe = recipe_from_args(args)

@@ -21,10 +21,6 @@ from shared.kv import DEMO_KV
 from shared.tasks.addition import Scratchpad
 from shared.tokenizer import char_vocab
 
-# `python -m services.trainer.warmstart --help`
-BUILD_DESCRIPTION = ("Warm start: build the tiny demo model and teach it the built-in tasks by SFT, "
-                     "to partial accuracy.")
-
 # The demo's workers' own cache (shared.kv.DEMO_KV, the prompt kept), for `evicted_check_kv`.
 DEMO_WORKER_CACHE: dict[str, int | str | bool] = DEMO_KV.model_dump(
     include={"policy", "budget", "buffer", "keep_prompt"})
@@ -214,8 +210,9 @@ def _accuracy_or_none(text: str) -> float | None:
     return None if text == "none" else float(text)
 
 
-def arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=BUILD_DESCRIPTION)
+def arg_parser(description: str | None = None) -> argparse.ArgumentParser:
+    """The build's command line (`python -m services.trainer.warmstart`, which describes itself)."""
+    parser = argparse.ArgumentParser(description=description)
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--out", help="model directory to write (HF format, bf16)")
     target.add_argument(
