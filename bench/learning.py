@@ -15,6 +15,8 @@ Arms (Sparse-RL, arXiv 2601.10079):
              a dense recompute (`dense_<metric>`, LearnerConfig.dense_mismatch), since the replayed
              recompute matches the sampler
   adaptive_veto_negative  (optional) veto_negative with the same controller
+  adaptive_replayed_veto_negative  (optional) adaptive_replayed with veto_negative, its divergent
+             tokens judged against the dense recompute (LossConfig.divergence_against)
 
 Every arm runs synchronously (staleness 0) in a process of its own, with the services' code: our
 engine (`LLMEngine`) samples a batch, `services.rollout.worker.score_samples` scores it, the
@@ -117,7 +119,14 @@ ARMS[ADAPTIVE_REPLAYED] = ARMS["replayed"]
 # divergent losers: the controller holds the divergent share with it (the default metric).
 ADAPTIVE_VETO_NEGATIVE = "adaptive_veto_negative"
 ARMS[ADAPTIVE_VETO_NEGATIVE] = ARMS["veto_negative"]
-CONTROLLED = (ADAPTIVE, ADAPTIVE_REPLAYED, ADAPTIVE_VETO_NEGATIVE)
+# The controller under replay with the default rule, its divergence judged against the dense
+# recompute the controller already reads: a loser the cache broke is vetoed, the rest trained as
+# the sampler ran (issue 26).
+ADAPTIVE_REPLAYED_VETO_NEGATIVE = "adaptive_replayed_veto_negative"
+ARMS[ADAPTIVE_REPLAYED_VETO_NEGATIVE] = ("rkv", LossConfig(
+    corrections=CorrectionConfig(divergence_rule="veto_negative"), recompute="replayed",
+    divergence_against="dense"))
+CONTROLLED = (ADAPTIVE, ADAPTIVE_REPLAYED, ADAPTIVE_VETO_NEGATIVE, ADAPTIVE_REPLAYED_VETO_NEGATIVE)
 # Fixed before the runs (issue 12). Accuracy = held-out T = 1 accuracy under dense inference,
 # mean over seeds; "sparse" = under R-KV at the training budget.
 CRITERIA = {

@@ -201,13 +201,15 @@ class Learner:
             logp_old = self._logprobs_all(self.model, batch)
             logp_ref = self._logprobs_all(self.ref_model, batch) if self.ref_model is not None else None
             logp_dense = None
-            if s.dense_mismatch:  # without replayed masks the old log-probs already are dense
+            if s.dense_mismatch or s.loss.divergence_against == "dense":
+                # Without replayed masks the old log-probs already are dense.
                 logp_dense = (logp_old if batch.layer_masks is None else
                               self._logprobs_all(self.model, dataclasses.replace(batch, layer_masks=None)))
-        corrections = sparse_rl_corrections(logp_old, batch.logp_sampler, mask, s.loss.corrections,
-                                            advantages)
+        corrections = sparse_rl_corrections(
+            logp_old, batch.logp_sampler, mask, s.loss.corrections, advantages,
+            logp_divergence=logp_dense if s.loss.divergence_against == "dense" else None)
         dense: dict[str, float] = {}
-        if logp_dense is not None:
+        if logp_dense is not None and s.dense_mismatch:
             figures = (corrections.metrics if logp_dense is logp_old else
                        sparse_rl_corrections(logp_dense, batch.logp_sampler, mask, s.loss.corrections,
                                              advantages).metrics)
@@ -397,9 +399,11 @@ class Learner:
             rows = (version - versions == lag).nonzero()[:, 0]
 
             def figures(logp: torch.Tensor, rows: torch.Tensor = rows) -> dict[str, float]:
+                judged_by = logp_dense if self.config.loss.divergence_against == "dense" else None
                 return sparse_rl_corrections(logp[rows], batch.logp_sampler[rows],
                                              batch.completion_mask[rows], self.config.loss.corrections,
-                                             advantages[rows]).metrics
+                                             advantages[rows],
+                                             None if judged_by is None else judged_by[rows]).metrics
 
             old = figures(logp_old)
             out[str(lag)] = {k: old[k] for k in _BY_STALENESS} | {"sequences": int(rows.numel())}

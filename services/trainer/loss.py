@@ -75,6 +75,12 @@ class LossConfig(BaseModel):
     # "replayed" under the attention the sampler's compressed cache gave each token, replayed by
     # the rollout engine, so the policy is trained as it samples (ξ then only carries weight lag).
     recompute: Literal["dense", "replayed"] = "dense"
+    # Which old log-probs judge a token divergent (ξ < mask_low) for `divergence_rule`: the
+    # recompute's ("recompute"), or a dense recompute's ("dense": one more no-grad forward under
+    # replay). Under replay the recompute matches the sampler, so its ξ finds almost no divergence
+    # and the rule never acts; judged against a dense cache, a loser the cache broke is still vetoed
+    # while the tokens kept are trained as the sampler ran (docs/training.md, "Eviction replay").
+    divergence_against: Literal["recompute", "dense"] = "recompute"
 
 
 @dataclass(frozen=True)
@@ -145,11 +151,12 @@ def xi_quantiles(xi: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
 
 def sparse_rl_corrections(
     logp_old_dense: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, cfg: CorrectionConfig,
-    advantages: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None, logp_divergence: torch.Tensor | None = None,
 ) -> Corrections:
     """Sequence veto, token mask and token weights from ξ_t = exp(clamp(logp_old_dense − logp_sampler)),
     then `cfg.divergence_rule` (the *_negative rules need `advantages` [B]; without them no sequence
-    counts as negative).
+    counts as negative), its divergent tokens judged by `logp_divergence` in place of
+    `logp_old_dense` when given (`LossConfig.divergence_against`).
 
     Metrics: `rejection_rate` (vetoed / sequences), `token_mask_rate` (masked / completion tokens of
     kept sequences), `xi_mean` (over all completion tokens), `kl_old_sampler` (KL(π_old_dense ‖
@@ -157,16 +164,21 @@ def sparse_rl_corrections(
     since E_sampler[ξ log ξ] = KL and E_sampler[ξ − 1] = 0, and never negative).
     """
     mask = mask.bool()
-    log_xi = (logp_old_dense.detach().float() - logp_sampler.detach().float())
-    log_xi = torch.nan_to_num(log_xi, nan=0.0).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
-    log_xi = torch.where(mask, log_xi, torch.zeros_like(log_xi))
+
+    def log_ratio(logp_old: torch.Tensor) -> torch.Tensor:
+        log_xi = (logp_old.detach().float() - logp_sampler.detach().float())
+        log_xi = torch.nan_to_num(log_xi, nan=0.0).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+        return torch.where(mask, log_xi, torch.zeros_like(log_xi))
+
+    log_xi = log_ratio(logp_old_dense)
     xi = log_xi.exp()
+    xi_divergence = xi if logp_divergence is None else log_ratio(logp_divergence).exp()
 
     has_tokens = mask.any(dim=1)
     keep_seq = has_tokens
     if cfg.sequence_veto:
         keep_seq = keep_seq & ~((xi < cfg.veto_threshold) & mask).any(dim=1)
-    divergent = mask & (xi < cfg.mask_low)
+    divergent = mask & (xi_divergence < cfg.mask_low)
     diverged = divergent.any(dim=1)
     negative = torch.zeros_like(has_tokens) if advantages is None else (advantages < 0).to(mask.device)
     if cfg.divergence_rule == "veto":

@@ -68,3 +68,18 @@ def test_the_default_rule_vetoes_divergent_losers_only() -> None:
     assert c.keep_seq.tolist() == [True, False, True, True]
     assert c.metrics["rejection_rate"] == 0.25 and c.metrics["divergent_rate"] == 0.5
     assert torch.equal(c.keep_token, _kept("veto_negative"))
+
+
+def test_divergence_judged_by_other_log_probs() -> None:
+    """`logp_divergence` (LossConfig.divergence_against = "dense" under replay): the rule's divergent
+    tokens come from those log-probs, while ξ, the token mask and the weights stay the recompute's."""
+    replayed = torch.ones_like(XI)  # the replayed recompute matches the sampler: ξ = 1 everywhere
+    cfg = CorrectionConfig(divergence_rule="veto_negative")
+    alone = sparse_rl_corrections(replayed.log(), torch.zeros_like(XI), MASK, cfg, ADV)
+    assert alone.keep_token.all() and alone.metrics["divergent_rate"] == 0.0
+    judged = sparse_rl_corrections(replayed.log(), torch.zeros_like(XI), MASK, cfg, ADV,
+                                   logp_divergence=XI.log())
+    assert judged.keep_seq.tolist() == [True, False, True, True]  # the dense-divergent loser goes
+    assert judged.keep_token[3].all()  # the winner keeps every token: the mask reads the recompute's ξ
+    assert judged.metrics["divergent_rate"] == 0.5 and judged.metrics["rejection_rate"] == 0.25
+    assert torch.equal(judged.xi, alone.xi)

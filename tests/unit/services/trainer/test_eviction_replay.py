@@ -171,3 +171,31 @@ def test_the_adaptive_budget_under_replay_reads_the_dense_mismatch(sharp_model_d
     [evidence] = evidence_from_step(trajectories, metrics, 0, key)
     assert evidence.value == metrics["dense_kl_old_sampler"] and evidence.budget == 6
     assert signal_key("kl_old_sampler", dense_mismatch=False) == "kl_old_sampler"
+
+
+def test_the_rule_under_replay_can_judge_divergence_against_a_dense_recompute(sharp_model_dir: str,
+                                                                               tmp_path: Path) -> None:
+    """`divergence_against = "dense"`: under replay the recompute matches the sampler, so the default
+    rule alone vetoes nothing; judged against a dense recompute, the losers that diverge from it go
+    (the same sequences a dense-recompute learner vetoes), and the step is scaled by the survivors."""
+    kv = KVConfig(policy="rkv", budget=6, buffer=2, window=2, keep_prompt=False)
+    trajectories = _trajectories(sharp_model_dir, kv)
+
+    def step(name: str, **loss: str) -> dict:
+        # The tiny model's cache moves ξ by up to ~25 %: a band of ±5 % makes that divergence.
+        corrections = {"mask_low": 0.95, "mask_high": 1.05}
+        settings = TrainerSettings(model=sharp_model_dir, data_dir=str(tmp_path / name), device="cpu",
+                                   ppo_updates=1, bf16_autocast=False, optim=OptimSettings(lr=1e-3),
+                                   loss={"corrections": corrections, **loss})
+        return Learner(LearnerConfig.of(settings), Path(sharp_model_dir), pad_id=0).train_step(trajectories)
+
+    dense = step("dense", recompute="dense")
+    assert 0 < dense["rejection_rate"] < dense["divergent_rate"]  # divergent losers vetoed, winners kept
+    replayed = step("replayed", recompute="replayed")
+    assert replayed["rejection_rate"] == 0.0 and replayed["lr_scale"] == 1.0
+    judged = step("judged", recompute="replayed", divergence_against="dense")
+    # The same weights and batch: the dense recompute is the dense learner's old log-probs.
+    for name in ("rejection_rate", "divergent_rate"):
+        assert judged[name] == dense[name]
+    assert judged["kl_old_sampler"] < 1e-5  # ξ, the mask and the loss stay the replayed recompute's
+    assert judged["lr_scale"] == pytest.approx(1.0 - judged["rejection_rate"])
