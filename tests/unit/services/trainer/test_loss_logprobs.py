@@ -25,7 +25,8 @@ def model() -> Qwen3ForCausalLM:
 
 
 def _unpadded(model, ids: list[int], prompt_len: int, temperature: float) -> list[float]:
-    logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    with torch.no_grad():  # a reference value: no graph (float() of a grad tensor warns)
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
     if temperature > 0:
         logits = logits / temperature
     logp = torch.log_softmax(logits, -1)
