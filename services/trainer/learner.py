@@ -205,9 +205,9 @@ class Learner:
                 # Without replayed masks the old log-probs already are dense.
                 logp_dense = (logp_old if batch.layer_masks is None else
                               self._logprobs_all(self.model, dataclasses.replace(batch, layer_masks=None)))
-        corrections = sparse_rl_corrections(
-            logp_old, batch.logp_sampler, mask, s.loss.corrections, advantages,
-            logp_divergence=logp_dense if s.loss.divergence_against == "dense" else None)
+        judged_by = logp_dense if s.loss.divergence_against == "dense" else None
+        corrections = sparse_rl_corrections(logp_old, batch.logp_sampler, mask, s.loss.corrections,
+                                            advantages, logp_divergence=judged_by)
         dense: dict[str, float] = {}
         if logp_dense is not None and s.dense_mismatch:
             figures = (corrections.metrics if logp_dense is logp_old else
@@ -287,7 +287,8 @@ class Learner:
             "kv_saved": _kv_saved(batch).get("kv_saved", 0.0),
             "kv_peak_bytes_mean": float(batch.kv_peak_bytes.mean()),
             "staleness": {str(k): v for k, v in batch.staleness(version).items()},
-            "by_staleness": self._by_staleness(batch, version, logp_old, advantages, logp_dense),
+            "by_staleness": self._by_staleness(batch, version, logp_old, advantages,
+                                               logp_dense if s.dense_mismatch else None, judged_by),
             **{k: v for k, v in corrections.metrics.items() if k != "kept_tokens"},
             **dense,
             **gain,
@@ -392,18 +393,18 @@ class Learner:
                          corrections=corrections.rows(rows), normalizer=normalizer)
 
     def _by_staleness(self, batch: TrainBatch, version: int, logp_old: torch.Tensor, advantages: torch.Tensor,
-                      logp_dense: torch.Tensor | None = None) -> dict[str, dict[str, float]]:
+                      logp_dense: torch.Tensor | None = None,
+                      logp_divergence: torch.Tensor | None = None) -> dict[str, dict[str, float]]:
         versions = torch.tensor(batch.policy_versions, device=self.device)[batch.group_index]
         out = {}
         for lag in sorted(set(batch.staleness(version))):
             rows = (version - versions == lag).nonzero()[:, 0]
 
             def figures(logp: torch.Tensor, rows: torch.Tensor = rows) -> dict[str, float]:
-                judged_by = logp_dense if self.config.loss.divergence_against == "dense" else None
+                judged_by = None if logp_divergence is None else logp_divergence[rows]
                 return sparse_rl_corrections(logp[rows], batch.logp_sampler[rows],
                                              batch.completion_mask[rows], self.config.loss.corrections,
-                                             advantages[rows],
-                                             None if judged_by is None else judged_by[rows]).metrics
+                                             advantages[rows], judged_by).metrics
 
             old = figures(logp_old)
             out[str(lag)] = {k: old[k] for k in _BY_STALENESS} | {"sequences": int(rows.numel())}

@@ -54,9 +54,9 @@ def _trajectories(model_dir: str, kv: KVConfig, record: bool = False) -> list[Tr
     return out
 
 
-def _learner(model_dir: str, tmp_path: Path, recompute: str) -> Learner:
+def _learner(model_dir: str, tmp_path: Path, recompute: str, **loss: object) -> Learner:
     settings = TrainerSettings(model=model_dir, data_dir=str(tmp_path), device="cpu", ppo_updates=1,
-                               bf16_autocast=False, loss={"recompute": recompute},
+                               bf16_autocast=False, loss={"recompute": recompute, **loss},
                                optim=OptimSettings(lr=1e-3))
     return Learner(LearnerConfig.of(settings), Path(model_dir), pad_id=0)
 
@@ -181,13 +181,11 @@ def test_the_rule_under_replay_can_judge_divergence_against_a_dense_recompute(sh
     kv = KVConfig(policy="rkv", budget=6, buffer=2, window=2, keep_prompt=False)
     trajectories = _trajectories(sharp_model_dir, kv)
 
-    def step(name: str, **loss: str) -> dict:
+    def step(name: str, recompute: str, **loss: object) -> dict:
         # The tiny model's cache moves ξ by up to ~25 %: a band of ±5 % makes that divergence.
         corrections = {"mask_low": 0.95, "mask_high": 1.05}
-        settings = TrainerSettings(model=sharp_model_dir, data_dir=str(tmp_path / name), device="cpu",
-                                   ppo_updates=1, bf16_autocast=False, optim=OptimSettings(lr=1e-3),
-                                   loss={"corrections": corrections, **loss})
-        return Learner(LearnerConfig.of(settings), Path(sharp_model_dir), pad_id=0).train_step(trajectories)
+        learner = _learner(sharp_model_dir, tmp_path / name, recompute, corrections=corrections, **loss)
+        return learner.train_step(trajectories)
 
     dense = step("dense", recompute="dense")
     assert 0 < dense["rejection_rate"] < dense["divergent_rate"]  # divergent losers vetoed, winners kept
