@@ -17,6 +17,9 @@ Arms (Sparse-RL, arXiv 2601.10079):
   adaptive_veto_negative  (optional) veto_negative with the same controller
   adaptive_replayed_veto_negative  (optional) adaptive_replayed with veto_negative, its divergent
              tokens judged against the dense recompute (LossConfig.divergence_against)
+  ARM@kl=COEF  any arm above with its own KL anchor weight (`kl_coef` for that arm only): e.g.
+             `--arms dense,dense@kl=0.04,adaptive_replayed_veto_negative@kl=0.04` runs the anchored
+             and unanchored arms from one warm start, judged in one file against the plain `dense`
 
 Every arm runs synchronously (staleness 0) in a process of its own, with the services' code: our
 engine (`LLMEngine`) samples a batch, `services.rollout.worker.score_samples` scores it, the
@@ -127,6 +130,25 @@ ARMS[ADAPTIVE_REPLAYED_VETO_NEGATIVE] = ("rkv", LossConfig(
     corrections=CorrectionConfig(divergence_rule="veto_negative"), recompute="replayed",
     divergence_against="dense"))
 CONTROLLED = (ADAPTIVE, ADAPTIVE_REPLAYED, ADAPTIVE_VETO_NEGATIVE, ADAPTIVE_REPLAYED_VETO_NEGATIVE)
+
+
+def parse_arm(name: str) -> tuple[str, float | None]:
+    """`ARM` or `ARM@kl=COEF`: the arm's entry in ARMS and its own KL anchor weight (None: the
+    config's `kl_coef`). One run can so hold an arm with and without the anchor, from one warm start
+    and judged against one `dense`. A name that is neither raises ValueError, saying why."""
+    base, sep, option = name.partition("@")
+    if base not in ARMS:
+        raise ValueError(f"unknown arm {base!r} (known: {', '.join(sorted(ARMS))})")
+    if not sep:
+        return base, None
+    key, eq, value = option.partition("=")
+    try:
+        coef = float(value) if key == "kl" and eq else None
+    except ValueError:
+        coef = None
+    if coef is None or not coef >= 0.0 or coef == float("inf"):
+        raise ValueError(f"arm {name!r}: the only option is @kl=COEF, a finite weight >= 0")
+    return base, coef
 # Fixed before the runs (issue 12). Accuracy = held-out T = 1 accuracy under dense inference,
 # mean over seeds; "sparse" = under R-KV at the training budget.
 CRITERIA = {
@@ -253,9 +275,10 @@ def rollout(engine: LLMEngine, tokenizer: PreTrainedTokenizerBase, task: Task, p
 
 def run_arm(cfg: LearningConfig, arm: str, seed: int, model_dir: Path, budget: int, out: Path) -> None:
     torch.set_num_threads(cfg.threads)
-    policy, loss = ARMS[arm]
+    base, arm_kl = parse_arm(arm)
+    policy, loss = ARMS[base]
     kv_control = KVControlSettings()  # fixed: the arm's budget stays as given
-    if arm in CONTROLLED:
+    if base in CONTROLLED:
         kv_control = KVControlSettings.model_validate(cfg.kv_control.model_dump() | {
             "mode": "adaptive", "start_budget": cfg.kv_control.start_budget or budget})
     settings = TrainerSettings(
@@ -263,7 +286,7 @@ def run_arm(cfg: LearningConfig, arm: str, seed: int, model_dir: Path, budget: i
         optim=OptimSettings(lr=cfg.lr, weight_decay=cfg.weight_decay),
         ppo_updates=cfg.ppo_updates, micro_batch=cfg.micro_batch,
         sampling=SamplingSettings(temperature=cfg.temperature),
-        loss=loss.model_copy(update={"kl_coef": cfg.kl_coef}),
+        loss=loss.model_copy(update={"kl_coef": cfg.kl_coef if arm_kl is None else arm_kl}),
         kv_control=kv_control,
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -274,7 +297,7 @@ def run_arm(cfg: LearningConfig, arm: str, seed: int, model_dir: Path, budget: i
     modes = eval_modes(budget, cfg)
     train_kv = KVConfig(policy="dense") if policy == "dense" else modes["sparse"]
     held_out = task.make_prompts(cfg.eval_prompts, seed=EVAL_SEED)
-    controller = KVBudgetController(kv_control) if arm in CONTROLLED else None
+    controller = KVBudgetController(kv_control) if base in CONTROLLED else None
     signal = signal_key(kv_control.metric, learner.config.dense_mismatch)
     started = time.perf_counter()
     with out.open("w") as f:
@@ -703,12 +726,16 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["arm"]:
         p = argparse.ArgumentParser()
         p.add_argument("--config", required=True)
-        p.add_argument("--arm", required=True, choices=sorted(ARMS))
+        p.add_argument("--arm", required=True, help="a name of ARMS, optionally ARM@kl=COEF")
         p.add_argument("--seed", type=int, required=True)
         p.add_argument("--model", type=Path, required=True)
         p.add_argument("--budget", type=int, required=True)
         p.add_argument("--out", type=Path, required=True)
         a = p.parse_args(argv[1:])
+        try:
+            parse_arm(a.arm)
+        except ValueError as e:
+            p.error(str(e))
         run_arm(LearningConfig.model_validate_json(a.config), a.arm, a.seed, a.model, a.budget, a.out)
         return
     if argv[:1] == ["plot"]:
@@ -720,7 +747,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="gpu")
     p.add_argument("--device", help="override the preset's device")
-    p.add_argument("--arms", default="dense,naive,sparse_rl")
+    p.add_argument("--arms", default="dense,naive,sparse_rl",
+                   help="comma-separated names of ARMS, each optionally ARM@kl=COEF (its own KL anchor)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--parallel", type=int, default=0, help="arm processes at once (0 = all)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -739,7 +767,17 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:  # pydantic's ValidationError is one: a field's value that does not fit
         p.error(str(e))
     arms = a.arms.split(",")
-    seeds = [int(s) for s in a.seeds.split(",")]
+    try:  # every name checked before the warm start is built, not in the arms' processes
+        for arm in arms:
+            parse_arm(arm)
+    except ValueError as e:
+        p.error(str(e))
+    if len(set(arms)) < len(arms):
+        p.error(f"an arm is named twice in --arms {a.arms}")
+    try:
+        seeds = [int(s) for s in a.seeds.split(",")]
+    except ValueError:
+        p.error(f"--seeds takes comma-separated integers, not {a.seeds!r}")
     out = a.out or RESULTS / f"learning-{a.preset}.json"
     result = run(cfg, arms, seeds, a.cache, out, a.parallel or len(arms) * len(seeds), a.preset, a.deadline)
     print(json.dumps({"criteria": result["criteria"], "kv_budget": result["kv_budget"],

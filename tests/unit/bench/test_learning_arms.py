@@ -1,0 +1,62 @@
+"""bench.learning's arm names: `ARM@kl=COEF` gives one arm its own KL anchor weight, so anchored and
+unanchored arms share a run (one warm start, one judgement against the plain `dense`), and a bad
+name is a usage error before any warm start is built."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.learning import LearningConfig, main, parse_arm, run_arm
+from services.trainer.warmstart import WarmstartRecipe
+
+
+def test_an_arm_name_may_carry_its_own_anchor_weight() -> None:
+    assert parse_arm("dense") == ("dense", None)
+    assert parse_arm("dense@kl=0.04") == ("dense", 0.04)
+    assert parse_arm("adaptive_replayed_veto_negative@kl=0") == ("adaptive_replayed_veto_negative", 0.0)
+
+
+@pytest.mark.parametrize("name", ["nope", "nope@kl=0.1", "dense@kl", "dense@kl=", "dense@kl=x",
+                                  "dense@kl=-0.1", "dense@kl=nan", "dense@kl=inf", "dense@lr=1e-4"])
+def test_a_bad_arm_name_says_why(name: str) -> None:
+    with pytest.raises(ValueError, match="unknown arm|the only option"):
+        parse_arm(name)
+
+
+@pytest.mark.parametrize(("arms", "seeds", "says"), [
+    ("dense,nope", "0", "unknown arm"), ("dense,dense@kl=-1", "0", "the only option"),
+    ("dense,dense", "0", "named twice"), ("dense", "0,x", "--seeds")])
+def test_bad_arms_or_seeds_are_a_usage_error_before_the_warm_start(
+        arms: str, seeds: str, says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cache = tmp_path / "cache"
+    with pytest.raises(SystemExit) as exc:
+        main(["--preset", "smoke", "--arms", arms, "--seeds", seeds, "--cache", str(cache),
+              "--out", str(tmp_path / "r.json")])
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
+    assert not cache.exists()  # nothing was built
+
+
+def _step_rows(arm: str, model_dir: str, tmp_path: Path, kl_coef: float = 0.0) -> list[dict]:
+    threads = torch.get_num_threads()
+    cfg = LearningConfig(recipe=WarmstartRecipe(), steps=2, groups=2, samples=2, lr=1e-3, kv_buffer=4,
+                         eval_every=100, eval_prompts=2, eval_batch=2, threads=1, kl_coef=kl_coef)
+    out = tmp_path / f"{arm}.jsonl"
+    try:
+        run_arm(cfg, arm, seed=0, model_dir=Path(model_dir), budget=8, out=out)
+    finally:
+        torch.set_num_threads(threads)
+    return [r for r in map(json.loads, out.read_text().splitlines()) if r["type"] == "step"]
+
+
+def test_the_arms_anchor_weight_overrides_the_configs(tiny_model_dir: str, tmp_path: Path) -> None:
+    """The learner keeps a frozen reference (and logs `kl_ref`) only when its loss is anchored."""
+    anchored = _step_rows("dense@kl=0.5", tiny_model_dir, tmp_path)
+    assert all("kl_ref" in r for r in anchored)
+    assert anchored[-1]["kl_ref"] > 0.0  # the first step moved the policy off its reference
+    unanchored = _step_rows("dense@kl=0", tiny_model_dir, tmp_path, kl_coef=0.5)
+    assert not any("kl_ref" in r for r in unanchored)
