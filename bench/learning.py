@@ -134,7 +134,7 @@ CONTROLLED = (ADAPTIVE, ADAPTIVE_REPLAYED, ADAPTIVE_VETO_NEGATIVE, ADAPTIVE_REPL
 
 def parse_arm(name: str) -> tuple[str, float | None]:
     """`ARM` or `ARM@kl=COEF`: the arm's entry in ARMS and its own KL anchor weight (None: the
-    config's `kl_coef`). One run can so hold an arm with and without the anchor, from one warm start
+    config's `kl_coef`). So one run can hold an arm with and without the anchor, from one warm start
     and judged against one `dense`. A name that is neither raises ValueError, saying why."""
     base, sep, option = name.partition("@")
     if base not in ARMS:
@@ -149,6 +149,8 @@ def parse_arm(name: str) -> tuple[str, float | None]:
     if coef is None or not coef >= 0.0 or coef == float("inf"):
         raise ValueError(f"arm {name!r}: the only option is @kl=COEF, a finite weight >= 0")
     return base, coef
+
+
 # Fixed before the runs (issue 12). Accuracy = held-out T = 1 accuracy under dense inference,
 # mean over seeds; "sparse" = under R-KV at the training budget.
 CRITERIA = {
@@ -778,6 +780,8 @@ def main(argv: list[str] | None = None) -> None:
         seeds = [int(s) for s in a.seeds.split(",")]
     except ValueError:
         p.error(f"--seeds takes comma-separated integers, not {a.seeds!r}")
+    if len(set(seeds)) < len(seeds):  # each (arm, seed) run has one log file
+        p.error(f"a seed is named twice in --seeds {a.seeds}")
     out = a.out or RESULTS / f"learning-{a.preset}.json"
     result = run(cfg, arms, seeds, a.cache, out, a.parallel or len(arms) * len(seeds), a.preset, a.deadline)
     print(json.dumps({"criteria": result["criteria"], "kv_budget": result["kv_budget"],

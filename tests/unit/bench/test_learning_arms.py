@@ -29,7 +29,7 @@ def test_a_bad_arm_name_says_why(name: str) -> None:
 
 @pytest.mark.parametrize(("arms", "seeds", "says"), [
     ("dense,nope", "0", "unknown arm"), ("dense,dense@kl=-1", "0", "the only option"),
-    ("dense,dense", "0", "named twice"), ("dense", "0,x", "--seeds")])
+    ("dense,dense", "0", "named twice"), ("dense", "0,x", "--seeds"), ("dense", "1,1", "named twice")])
 def test_bad_arms_or_seeds_are_a_usage_error_before_the_warm_start(
         arms: str, seeds: str, says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cache = tmp_path / "cache"
