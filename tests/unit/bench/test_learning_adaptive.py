@@ -7,27 +7,18 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from bench.learning import ARMS, PRESETS, LearningConfig, configure, judge, main, rejudge, run_arm, summarise
+from bench.learning import ARMS, PRESETS, configure, judge, main, rejudge, summarise
 from services.trainer.kv_budget import KVControlSettings
-from services.trainer.warmstart import WarmstartRecipe
+from tests.unit.bench.arm_steps import arm_step_rows
 
 
 def _steps_of(arm: str, model_dir: str, tmp_path: Path) -> list[dict]:
     """Three steps of `arm` with a controller whose target any mismatch is over, so the budget
     rises a step after every step (8 -> 16 -> 20, clamped at max_budget); the step rows."""
-    threads = torch.get_num_threads()
     control = KVControlSettings(metric="kl_old_sampler", target=1e-9, smoothing=1.0, min_sequences=1,
                                 min_budget=8, max_budget=20, step=8)
-    cfg = LearningConfig(recipe=WarmstartRecipe(), steps=3, groups=2, samples=2, lr=1e-3, kv_buffer=4,
-                         eval_every=100, eval_prompts=2, eval_batch=2, threads=1, kv_control=control)
-    out = tmp_path / f"{arm}.jsonl"
-    try:
-        run_arm(cfg, arm, seed=0, model_dir=Path(model_dir), budget=8, out=out)
-    finally:
-        torch.set_num_threads(threads)
-    return [r for r in map(json.loads, out.read_text().splitlines()) if r["type"] == "step"]
+    return arm_step_rows(arm, model_dir, tmp_path, steps=3, kv_control=control)
 
 
 def test_the_adaptive_arm_moves_the_rollout_budget(tiny_model_dir: str, tmp_path: Path) -> None:

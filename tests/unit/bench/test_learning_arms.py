@@ -4,14 +4,12 @@ name is a usage error before any warm start is built."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from bench.learning import LearningConfig, main, parse_arm, run_arm
-from services.trainer.warmstart import WarmstartRecipe
+from bench.learning import main, parse_arm
+from tests.unit.bench.arm_steps import arm_step_rows
 
 
 def test_an_arm_name_may_carry_its_own_anchor_weight() -> None:
@@ -41,22 +39,10 @@ def test_bad_arms_or_seeds_are_a_usage_error_before_the_warm_start(
     assert not cache.exists()  # nothing was built
 
 
-def _step_rows(arm: str, model_dir: str, tmp_path: Path, kl_coef: float = 0.0) -> list[dict]:
-    threads = torch.get_num_threads()
-    cfg = LearningConfig(recipe=WarmstartRecipe(), steps=2, groups=2, samples=2, lr=1e-3, kv_buffer=4,
-                         eval_every=100, eval_prompts=2, eval_batch=2, threads=1, kl_coef=kl_coef)
-    out = tmp_path / f"{arm}.jsonl"
-    try:
-        run_arm(cfg, arm, seed=0, model_dir=Path(model_dir), budget=8, out=out)
-    finally:
-        torch.set_num_threads(threads)
-    return [r for r in map(json.loads, out.read_text().splitlines()) if r["type"] == "step"]
-
-
 def test_the_arms_anchor_weight_overrides_the_configs(tiny_model_dir: str, tmp_path: Path) -> None:
     """The learner keeps a frozen reference (and logs `kl_ref`) only when its loss is anchored."""
-    anchored = _step_rows("dense@kl=0.5", tiny_model_dir, tmp_path)
+    anchored = arm_step_rows("dense@kl=0.5", tiny_model_dir, tmp_path)
     assert all("kl_ref" in r for r in anchored)
     assert anchored[-1]["kl_ref"] > 0.0  # the first step moved the policy off its reference
-    unanchored = _step_rows("dense@kl=0", tiny_model_dir, tmp_path, kl_coef=0.5)
+    unanchored = arm_step_rows("dense@kl=0", tiny_model_dir, tmp_path, kl_coef=0.5)
     assert not any("kl_ref" in r for r in unanchored)
