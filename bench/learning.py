@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
@@ -146,7 +147,7 @@ def parse_arm(name: str) -> tuple[str, float | None]:
         coef = float(value) if key == "kl" and eq else None
     except ValueError:
         coef = None
-    if coef is None or not coef >= 0.0 or coef == float("inf"):
+    if coef is None or not (math.isfinite(coef) and coef >= 0.0):
         raise ValueError(f"arm {name!r}: the only option is @kl=COEF, a finite weight >= 0")
     return base, coef
 
