@@ -30,7 +30,8 @@ are compared pairwise per seed.
 Stages:
 1. Warm start (cached under --cache): a Qwen3-shaped model with the character vocabulary trained
    from scratch by SFT (services.trainer.warmstart) until its sampled (T = 1) accuracy reaches the
-   preset's target, so RL has room.
+   preset's target, so RL has room. `--build-only` stops here: a build that outlasts one device call
+   runs in a call of its own (or beside other work), and the arms' calls find it cached.
 2. Calibration: sampled accuracy under R-KV at each candidate budget vs dense on fresh prompts;
    the budget whose sparse/dense ratio is nearest the middle of [0.4, 0.7] is used by every arm.
 3. Arms × seeds in parallel processes; a held-out evaluation every `eval_every` steps on fixed
@@ -42,6 +43,7 @@ Stages:
 
     python -m bench.learning --preset gpu --device cuda          # ~10 min of one H100 (docs/training.md)
     python -m bench.learning --preset smoke                      # a CPU check of the whole pipeline
+    python -m bench.learning --preset gpu --device cuda --set recipe.seed=5 --build-only
     python -m bench.learning plot bench/results/learning-gpu.json
     python -m bench.learning judge bench/results/learning-gpu.json
 """
@@ -761,6 +763,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path)
     p.add_argument("--deadline", type=float,
                    help="seconds: stop the arms still running and write the result from what they logged")
+    p.add_argument("--build-only", action="store_true",
+                   help="build (or find) the warm start in --cache, print where and how it ended, and stop")
     a = p.parse_args(argv)
     fields = PRESETS[a.preset].model_dump()
     if a.device:
@@ -769,6 +773,12 @@ def main(argv: list[str] | None = None) -> None:
         cfg = configure(fields, a.set)
     except ValueError as e:  # pydantic's ValidationError is one: a field's value that does not fit
         p.error(str(e))
+    if a.build_only:
+        model_dir = ensure_warmstart_model(a.cache, cfg.recipe)
+        warm = json.loads((model_dir / "warmstart.json").read_text())
+        print(json.dumps({"warmstart": str(model_dir), "steps_done": warm["steps_done"],
+                          "train_seconds": warm.get("train_seconds"), "eval": warm["eval"]}, indent=1))
+        return
     arms = a.arms.split(",")
     try:  # every name checked before the warm start is built, not in the arms' processes
         for arm in arms:

@@ -4,10 +4,13 @@ name is a usage error before any warm start is built."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from bench import learning
 from bench.learning import main, parse_arm
 from tests.unit.bench.arm_steps import arm_step_rows
 
@@ -46,3 +49,26 @@ def test_the_arms_anchor_weight_overrides_the_configs(tiny_model_dir: str, tmp_p
     assert anchored[-1]["kl_ref"] > 0.0  # the first step moved the policy off its reference
     unanchored = arm_step_rows("dense@kl=0", tiny_model_dir, tmp_path, kl_coef=0.5)
     assert not any("kl_ref" in r for r in unanchored)
+
+
+def test_build_only_builds_the_configured_warm_start_and_runs_no_arm(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--build-only`: the warm start the `--set` flags configure, built into `--cache`; no arm, no result."""
+    built: list[tuple[Path, int]] = []
+
+    def fake_build(cache: Path, recipe: Any) -> Path:  # the real build is services.trainer.warmstart's
+        built.append((cache, recipe.seed))
+        model_dir = cache / "warmstart-fake"
+        model_dir.mkdir(parents=True)
+        (model_dir / "warmstart.json").write_text(json.dumps({"steps_done": 320, "eval": {"addition": {}}}))
+        return model_dir
+
+    monkeypatch.setattr(learning, "ensure_warmstart_model", fake_build)
+    out = tmp_path / "r.json"
+    main(["--preset", "smoke", "--set", "recipe.seed=5", "--build-only", "--cache", str(tmp_path / "cache"),
+          "--out", str(out)])
+    assert built == [(tmp_path / "cache", 5)]
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["warmstart"] == str(tmp_path / "cache" / "warmstart-fake")
+    assert printed["steps_done"] == 320
+    assert not out.exists() and not out.with_suffix(".runs").exists()
