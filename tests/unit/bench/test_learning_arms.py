@@ -1,17 +1,17 @@
-"""bench.learning's arm names: `ARM@kl=COEF` gives one arm its own KL anchor weight, so anchored and
-unanchored arms share a run (one warm start, one judgement against the plain `dense`), and a bad
-name is a usage error before any warm start is built."""
+"""bench.learning's command line: `ARM@kl=COEF` gives one arm its own KL anchor weight, so anchored
+and unanchored arms share a run (one warm start, one judgement against the plain `dense`); a bad
+name is a usage error before any warm start is built; `--build-only` builds the warm start alone."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from bench import learning
 from bench.learning import main, parse_arm
+from services.trainer.warmstart_recipe import WarmstartRecipe
 from tests.unit.bench.arm_steps import arm_step_rows
 
 
@@ -56,7 +56,7 @@ def test_build_only_builds_the_configured_warm_start_and_runs_no_arm(
     """`--build-only`: the warm start the `--set` flags configure, built into `--cache`; no arm, no result."""
     built: list[tuple[Path, int]] = []
 
-    def fake_build(cache: Path, recipe: Any) -> Path:  # the real build is services.trainer.warmstart's
+    def fake_build(cache: Path, recipe: WarmstartRecipe) -> Path:  # services.trainer.warmstart builds
         built.append((cache, recipe.seed))
         model_dir = cache / "warmstart-fake"
         model_dir.mkdir(parents=True)
