@@ -79,7 +79,7 @@ from services.trainer.learner import Learner, LearnerConfig
 from services.trainer.loss import CorrectionConfig, LossConfig
 from services.trainer.optim import OptimSettings
 from services.trainer.settings import TrainerSettings
-from services.trainer.warmstart import WarmstartRecipe, ensure_warmstart_model
+from services.trainer.warmstart import REPORT_FILE, WarmstartRecipe, ensure_warmstart_model
 from shared.sampling import SamplingSettings
 from shared.schemas import Trajectory
 from shared.tasks import Task, get_task
@@ -539,14 +539,19 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def warm_start(cache: Path, recipe: WarmstartRecipe) -> tuple[Path, dict[str, Any]]:
+    """The recipe's warm start, built into `cache` unless it is there, and its build report."""
+    model_dir = ensure_warmstart_model(cache, recipe)
+    return model_dir, json.loads((model_dir / REPORT_FILE).read_text())
+
+
 def run(cfg: LearningConfig, arms: list[str], seeds: list[int], cache: Path, out: Path, parallel: int,
         preset: str, deadline: float | None = None) -> dict[str, Any]:
     """`deadline`: seconds after the start at which arms still running are stopped and the result is
     written from what they logged so far (`complete` false, `stopped` names them and their last step)."""
     started = time.perf_counter()
     device = torch.device(cfg.device)
-    model_dir = ensure_warmstart_model(cache, cfg.recipe)
-    warm = json.loads((model_dir / "warmstart.json").read_text())
+    model_dir, warm = warm_start(cache, cfg.recipe)
     print(f"warm start {model_dir.name}: {warm['steps_done']} SFT steps, eval {warm['eval']}", flush=True)
     if cfg.kv_budget is None:
         budget, calibration = calibrate_budget(cfg, model_dir)
@@ -774,8 +779,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:  # pydantic's ValidationError is one: a field's value that does not fit
         p.error(str(e))
     if a.build_only:
-        model_dir = ensure_warmstart_model(a.cache, cfg.recipe)
-        warm = json.loads((model_dir / "warmstart.json").read_text())
+        model_dir, warm = warm_start(a.cache, cfg.recipe)
         print(json.dumps({"warmstart": str(model_dir), "steps_done": warm["steps_done"],
                           "train_seconds": warm.get("train_seconds"), "eval": warm["eval"]}, indent=1))
         return
